@@ -1,0 +1,48 @@
+"""kvasync: awaitable moves of paged KV-cache blocks between GPU memory and host memory.
+
+    import kvasync as kv
+
+    layout = kv.KVCacheLayout.from_tensors(kv_tensors)
+    async with kv.Offloader(layout, num_cpu_chunks=256) as off:
+        await off.store(gpu_blocks=[3, 7], cpu_chunks=[0, 1])
+        await off.load(cpu_chunks=[0, 1], gpu_blocks=[5, 9])
+"""
+
+from __future__ import annotations
+
+from ._errors import (
+    BackendUnavailableError,
+    InvalidTransferError,
+    KVAsyncError,
+    OffloaderBrokenError,
+    OffloaderClosedError,
+    TransferFailedError,
+)
+from ._layout import CopyRun, KVCacheLayout, KVRef, KVTensor, PageMapping
+from ._offloader import Offloader
+from ._transfer import Transfer, TransferResult
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BackendUnavailableError",
+    "CopyRun",
+    "InvalidTransferError",
+    "KVAsyncError",
+    "KVCacheLayout",
+    "KVRef",
+    "KVTensor",
+    "Offloader",
+    "OffloaderBrokenError",
+    "OffloaderClosedError",
+    "PageMapping",
+    "Transfer",
+    "TransferFailedError",
+    "TransferResult",
+]
+
+for _name in __all__:
+    _obj = globals()[_name]
+    if getattr(_obj, "__module__", "").startswith("kvasync."):
+        _obj.__module__ = "kvasync"
+del _name, _obj

@@ -1,0 +1,144 @@
+"""The seam between kvasync's core and a device: streams, events, host memory, copy paths.
+
+The core (descriptors, scheduler, completion) only talks to these four small interfaces, so
+the host backend (CI, laptops, notebooks) and the CUDA backend run the very same descriptor
+arrays with the very same ordering rules. Backends are chosen by name (`load_backend`).
+
+Semantics every backend keeps (they are CUDA's):
+- work enqueued on one `Stream` runs in enqueue order;
+- `Stream.record(event)` marks the point the stream has reached; the event completes when
+  the stream gets there; `Stream.wait_event(event)` holds later work on the stream until the
+  event completes;
+- `Backend.enqueue_copy` enqueues the copies of one descriptor batch on a stream; copies of
+  one batch may run in any order and must not overlap at their destinations;
+- a failure on the device is reported by the events recorded after it (`Event.error`).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from .._arrays import ArrayInfo
+    from .._descriptors import TransferPlan
+
+__all__ = ["Backend", "Direction", "Event", "HostMemory", "Stream"]
+
+Direction = Literal["d2h", "h2d"]
+
+
+class Event(ABC):
+    """A point on a stream that completes when the stream reaches it."""
+
+    @abstractmethod
+    def query(self) -> bool:
+        """True once the stream has reached this event (successfully or not); never blocks."""
+
+    @abstractmethod
+    def synchronize(self, timeout: float | None = None) -> bool:
+        """Block until the event completes or `timeout` seconds pass; True if it completed."""
+
+    @abstractmethod
+    def error(self) -> BaseException | None:
+        """The device failure that reached this event, if any (valid once completed)."""
+
+    @abstractmethod
+    def elapsed_seconds(self, end: Event) -> float:
+        """Seconds between this event and `end` (both completed), measured by the device."""
+
+
+class Stream(ABC):
+    """An ordered queue of device work."""
+
+    @abstractmethod
+    def record(self, event: Event) -> None:
+        """Enqueue `event`; it completes when the stream reaches it."""
+
+    @abstractmethod
+    def wait_event(self, event: Event) -> None:
+        """Hold all later work on this stream until `event` completes."""
+
+
+@dataclass
+class HostMemory:
+    """A page-aligned host allocation (possibly pinned) that kvasync owns or borrows.
+
+    `release` undoes pinning and frees the mapping; it is idempotent.
+    """
+
+    ptr: int
+    nbytes: int
+    array: np.ndarray
+    pinned: bool
+    _release: Callable[[], None] | None = None
+
+    def release(self) -> None:
+        fn, self._release = self._release, None
+        if fn is not None:
+            fn()
+
+
+class Backend(ABC):
+    """A device kvasync can move KV blocks to and from; one instance per offloader."""
+
+    name: str = ""
+    #: copy paths this backend can run, the first is its default
+    paths: tuple[str, ...] = ()
+
+    @abstractmethod
+    def check_device_array(self, info: ArrayInfo, what: str) -> None:
+        """Raise InvalidTransferError if `info` is not memory this backend treats as device."""
+
+    @abstractmethod
+    def new_stream(self) -> Stream:
+        """A fresh non-default stream (the core pools them)."""
+
+    @abstractmethod
+    def new_event(self, timing: bool = True) -> Event:
+        """A fresh event (the core pools them); `timing=False` for pure ordering events."""
+
+    @abstractmethod
+    def compute_stream(self, override: Any | None) -> Stream | None:
+        """The stream every transfer must first wait on (None: nothing to wait for).
+
+        `override` is what the caller passed (a backend stream or a foreign stream object);
+        None means the backend's notion of the current stream.
+        """
+
+    @abstractmethod
+    def alloc_host(self, nbytes: int, row_bytes: int) -> HostMemory:
+        """Host memory for `nbytes`, pinned where the backend can (registered in chunks that
+        end on multiples of `row_bytes`)."""
+
+    @abstractmethod
+    def enqueue_copy(
+        self, stream: Stream, plan: TransferPlan, direction: Direction, path: str
+    ) -> None:
+        """Enqueue the copies of `plan` on `stream` using copy path `path`."""
+
+    def resolve_path(
+        self, path: str, direction: Direction, plan: TransferPlan, host_pinned: bool
+    ) -> str:
+        """Map the caller's path choice (maybe "auto") to a concrete path for this plan.
+
+        `host_pinned` is False when the host memory could not be pinned; a backend must then
+        never pick a path that dereferences host memory from the device.
+        """
+        return self.paths[0] if path == "auto" else path
+
+    def pin_functions(
+        self,
+    ) -> tuple[Callable[[int, int], bool], Callable[[int], bool]] | None:
+        """(register, unregister) for pinning borrowed host memory, or None if not needed."""
+        return None
+
+    def register_array(self, info: ArrayInfo) -> None:  # noqa: B027 - optional hook
+        """Tell the backend this memory takes part in transfers (for bounds checks)."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release streams, events and other device handles."""

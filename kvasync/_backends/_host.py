@@ -1,0 +1,250 @@
+"""The host backend: host memory stands in for the GPU, a thread stands in for each stream.
+
+Not a mock. A `HostStream` is an ordered worker thread that executes the very descriptor
+arrays the CUDA backend executes (`memmove` per descriptor), records events when it reaches
+them and waits on other streams' events. Every descriptor is bounds-checked against the
+memory the offloader registered, so a pointer-math bug shows up as a failed transfer (the
+host analogue of an illegal-address fault), never as a segfault or silently wrong bytes.
+
+It is what CI, laptops and notebooks without a GPU use.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import queue
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .._errors import InvalidTransferError, TransferFailedError
+from .._hostmem import host_memory
+from ._base import Backend, Direction, Event, HostMemory, Stream
+
+if TYPE_CHECKING:
+    from .._arrays import ArrayInfo
+    from .._descriptors import TransferPlan
+
+__all__ = ["HostBackend", "HostEvent", "HostStream"]
+
+_memmove = ctypes.memmove
+
+
+class HostEvent(Event):
+    """Completes when its stream's worker reaches it; carries the stream's failure, if any."""
+
+    def __init__(self) -> None:
+        self._flag = threading.Event()
+        self._flag.set()  # an unrecorded event counts as complete (CUDA's rule)
+        self._time = 0.0
+        self._error: BaseException | None = None
+
+    def _arm(self) -> None:
+        self._flag.clear()
+
+    def _fire(self, error: BaseException | None) -> None:
+        self._time = time.perf_counter()
+        self._error = error
+        self._flag.set()
+
+    def query(self) -> bool:
+        return self._flag.is_set()
+
+    def synchronize(self, timeout: float | None = None) -> bool:
+        return self._flag.wait(timeout)
+
+    def error(self) -> BaseException | None:
+        return self._error
+
+    def elapsed_seconds(self, end: Event) -> float:
+        assert isinstance(end, HostEvent)
+        return max(end._time - self._time, 0.0)
+
+
+_STOP = object()
+
+
+class HostStream(Stream):
+    """An ordered queue of host work run by one daemon thread (started lazily).
+
+    A failure (a copy that faults, or waiting on an event that carries a failure) sticks to
+    the stream: later copies on it are skipped and later events carry the error, as a
+    CUDA error poisons the work behind it.
+    """
+
+    def __init__(self, backend: HostBackend | None = None, name: str = "kvasync-host") -> None:
+        self._backend = backend
+        self._name = name
+        self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._error: BaseException | None = None
+
+    def _put(self, item: Any) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                self._thread.start()
+        self._q.put(item)
+
+    def record(self, event: Event) -> None:
+        assert isinstance(event, HostEvent)
+        event._arm()
+        self._put(("record", event))
+
+    def wait_event(self, event: Event) -> None:
+        assert isinstance(event, HostEvent)
+        self._put(("wait", event))
+
+    def enqueue(self, fn: Any, *args: Any) -> None:
+        """Run `fn(*args)` on the stream (used by copies and by tests as 'compute')."""
+        self._put(("call", fn, args))
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is _STOP:
+                return
+            op = item[0]
+            if op == "record":
+                item[1]._fire(self._error)
+            elif op == "wait":
+                ev: HostEvent = item[1]
+                ev._flag.wait()
+                if ev._error is not None and self._error is None:
+                    self._error = ev._error
+            elif op == "call":
+                if self._error is not None:
+                    continue
+                try:
+                    item[1](*item[2])
+                except BaseException as exc:
+                    self._error = exc
+
+    def close(self) -> None:
+        with self._lock:
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            self._q.put(_STOP)
+            thread.join(timeout=10)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+
+class HostBackend(Backend):
+    """Backend whose device memory is host memory; used without a GPU."""
+
+    name = "host"
+    paths = ("memmove",)
+
+    def __init__(self, tensor_kind: str = "numpy", device_id: int = -1) -> None:
+        self._ranges: list[tuple[int, int]] = []
+        self._starts = np.zeros(0, dtype=np.uint64)
+        self._ends = np.zeros(0, dtype=np.uint64)
+        self._streams: list[HostStream] = []
+        self._lock = threading.Lock()
+        self._fail_next: list[BaseException] = []
+
+    # -- memory ------------------------------------------------------------------------------
+    def check_device_array(self, info: ArrayInfo, what: str) -> None:
+        if info.device != "cpu":
+            raise InvalidTransferError(
+                f"{what}: the host backend needs host (CPU) arrays, got {info.device} memory; "
+                "use backend='cuda' for GPU tensors"
+            )
+
+    def register_array(self, info: ArrayInfo) -> None:
+        if info.nbytes == 0:
+            return
+        lo = info.ptr
+        hi = info.ptr + (info.shape[0] - 1) * info.row_stride + info.row_bytes
+        hi = max(hi, info.ptr + info.nbytes)
+        self._add_range(lo, hi)
+
+    def _add_range(self, lo: int, hi: int) -> None:
+        with self._lock:
+            self._ranges.append((lo, hi))
+            self._ranges.sort()
+            merged: list[tuple[int, int]] = []
+            for a, b in self._ranges:
+                if merged and a <= merged[-1][1]:
+                    merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+                else:
+                    merged.append((a, b))
+            self._ranges = merged
+            self._starts = np.asarray([a for a, _ in merged], dtype=np.uint64)
+            self._ends = np.asarray([b for _, b in merged], dtype=np.uint64)
+
+    def alloc_host(self, nbytes: int, row_bytes: int) -> HostMemory:
+        mem = host_memory(nbytes, row_bytes)
+        self._add_range(mem.ptr, mem.ptr + mem.nbytes)
+        return mem
+
+    def _check_bounds(self, ptrs: np.ndarray, sizes: np.ndarray) -> None:
+        starts, ends = self._starts, self._ends
+        idx = np.searchsorted(starts, ptrs, side="right").astype(np.int64) - 1
+        ok = idx >= 0
+        safe = np.where(ok, idx, 0)
+        ok &= (ptrs + sizes) <= ends[safe]
+        if not ok.all():
+            bad = int(np.flatnonzero(~ok)[0])
+            raise TransferFailedError(
+                f"illegal address: descriptor {bad} [{int(ptrs[bad]):#x}, +{int(sizes[bad])}) "
+                "lies outside the registered tensors"
+            )
+
+    # -- streams and events ----------------------------------------------------------------
+    def new_stream(self) -> Stream:
+        s = HostStream(self, name=f"kvasync-host-{len(self._streams)}")
+        self._streams.append(s)
+        return s
+
+    def new_event(self, timing: bool = True) -> Event:
+        return HostEvent()
+
+    def compute_stream(self, override: Any | None) -> Stream | None:
+        if override is None:
+            return None  # host writes are synchronous: nothing is pending
+        if not isinstance(override, HostStream):
+            raise InvalidTransferError(
+                f"the host backend's compute stream must be a HostStream, got {type(override)}"
+            )
+        return override
+
+    # -- copies ----------------------------------------------------------------------------
+    def inject_fault(self, error: BaseException | None = None) -> None:
+        """Test hook: the next copy this backend executes fails with `error`."""
+        self._fail_next.append(error or TransferFailedError("injected device fault"))
+
+    def enqueue_copy(
+        self, stream: Stream, plan: TransferPlan, direction: Direction, path: str
+    ) -> None:
+        if path not in ("memmove", "auto"):
+            raise InvalidTransferError(f"host backend has no copy path {path!r}")
+        assert isinstance(stream, HostStream)
+        if plan.num_descriptors == 0:
+            return
+        fault = self._fail_next.pop(0) if self._fail_next else None
+        stream.enqueue(self._execute, plan, fault)
+
+    def _execute(self, plan: TransferPlan, fault: BaseException | None) -> None:
+        src, dst, sizes = plan.coalesced()
+        if fault is not None:
+            raise fault
+        self._check_bounds(src, sizes)
+        self._check_bounds(dst, sizes)
+        for s, d, n in zip(src.tolist(), dst.tolist(), sizes.tolist()):
+            _memmove(d, s, n)
+
+    def close(self) -> None:
+        streams, self._streams = self._streams, []
+        for s in streams:
+            s.close()
+
+    @property
+    def live_threads(self) -> int:
+        return sum(1 for s in self._streams if s.alive)

@@ -1,0 +1,418 @@
+"""Descriptors: from (block ids, chunk ids, groups) to (src pointer, dst pointer, size) arrays.
+
+The pointer of slot `s` of a tensor on one side is::
+
+    base + (s // factor) * row_stride + (s % factor) * sub_stride
+
+where the GPU side has factor 1 (a slot is a block) and the host side has factor
+`blocks_per_chunk` (slot ``c*bpc + j`` is sub-block j of chunk c; `sub_stride` is the
+tensor's page, or its canonical page). All of it is 64-bit unsigned arithmetic.
+
+Per group g with n blocks and logical start ``block_indices[g]`` the host side skips
+``block_indices[g] % bpc`` sub-blocks of its first chunk and consumes
+``ceil((n + skip) / bpc)`` chunks; groups consume both id lists in order and must use them
+up exactly. A `TransferPlan` keeps this structured form (per segment: the refs and the slot
+ids of both sides), so a copy path may compute addresses itself; `flat()` expands it into
+the flat descriptor arrays, ref-major, then block, then fragment (vLLM's order).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ._errors import InvalidTransferError
+
+if TYPE_CHECKING:
+    from ._layout import KVCacheLayout
+
+__all__ = [
+    "RefTable",
+    "Segment",
+    "SideGeometry",
+    "TransferPlan",
+    "build_plan",
+    "build_ref_table",
+    "coalesce",
+]
+
+U64 = np.uint64
+
+
+@dataclass(frozen=True)
+class SideGeometry:
+    """Where each tensor's slots live on one side (GPU or host) of a direction."""
+
+    base: list[int]
+    row_stride: list[int]
+    sub_stride: list[int]
+    num_rows: list[int]
+    factor: int
+
+
+@dataclass
+class RefTable:
+    """Static per-direction table: one row per (group, ref), plus their fragments.
+
+    Fragment offsets are relative to the slot pointer on each side. Store tables of a
+    canonical layout carry the writer rotation of each ref.
+    """
+
+    src: SideGeometry
+    dst: SideGeometry
+    tensor_idx: np.ndarray  # int64 [R]
+    group_of: np.ndarray  # int64 [R]
+    src_base: np.ndarray  # uint64 [R]
+    src_row_stride: np.ndarray
+    src_sub_stride: np.ndarray
+    dst_base: np.ndarray
+    dst_row_stride: np.ndarray
+    dst_sub_stride: np.ndarray
+    frag_start: np.ndarray  # int64 [R]
+    frag_count: np.ndarray  # int64 [R]
+    frag_src: np.ndarray  # uint64 [F]
+    frag_dst: np.ndarray  # uint64 [F]
+    frag_size: np.ndarray  # uint64 [F]
+    bytes_per_block: np.ndarray  # int64 [R]: sum of the ref's fragment sizes
+    #: per group: list of (ref rows, num_writers, writer_index) partitions
+    partitions: list[list[tuple[np.ndarray, int, int]]]
+    #: refs whose only fragment is offset 0 on both sides (whole-page copies)
+    simple: np.ndarray  # bool [R]
+    num_groups: int
+    #: per group, the tensors its refs touch on the destination side
+    dst_tensors_of_group: list[list[int]]
+    max_gpu_block: list[int] = field(default_factory=list)
+
+
+def build_ref_table(
+    layout: KVCacheLayout,
+    gpu: SideGeometry,
+    host: SideGeometry,
+    gpu_to_cpu: bool,
+    canonical: bool,
+) -> RefTable:
+    """Unroll every ref's pages (or canonical runs) into the static table of one direction."""
+    src, dst = (gpu, host) if gpu_to_cpu else (host, gpu)
+    rows_t: list[int] = []
+    rows_g: list[int] = []
+    f_start: list[int] = []
+    f_count: list[int] = []
+    fs: list[int] = []
+    fd: list[int] = []
+    fz: list[int] = []
+    per_block: list[int] = []
+    writers: list[tuple[int, int]] = []
+    for g, refs in enumerate(layout.groups):
+        for ref in refs:
+            assert ref.page_size_bytes is not None
+            rows_t.append(ref.tensor_idx)
+            rows_g.append(g)
+            f_start.append(len(fz))
+            if canonical:
+                assert ref.mapping is not None
+                frags = [f for run in ref.mapping.runs for f in run.fragments()]
+                writers.append(
+                    (ref.mapping.num_writers, ref.mapping.writer_index) if gpu_to_cpu else (1, 0)
+                )
+            else:
+                frags = [(0, 0, ref.page_size_bytes)]
+                writers.append((1, 0))
+            for local, canon, size in frags:
+                s_off, d_off = (local, canon) if gpu_to_cpu else (canon, local)
+                fs.append(s_off)
+                fd.append(d_off)
+                fz.append(size)
+            f_count.append(len(frags))
+            per_block.append(sum(f[2] for f in frags))
+    t = np.asarray(rows_t, dtype=np.int64)
+    fstart = np.asarray(f_start, dtype=np.int64)
+    fcount = np.asarray(f_count, dtype=np.int64)
+    frag_src = np.asarray(fs, dtype=U64)
+    frag_dst = np.asarray(fd, dtype=U64)
+    simple = (fcount == 1) & (frag_src[fstart] == 0) & (frag_dst[fstart] == 0)
+    partitions: list[list[tuple[np.ndarray, int, int]]] = []
+    dst_tensors: list[list[int]] = []
+    row = 0
+    for refs in layout.groups:
+        keyed: dict[tuple[int, int], list[int]] = {}
+        for _ in refs:
+            keyed.setdefault(writers[row], []).append(row)
+            row += 1
+        partitions.append(
+            [(np.asarray(rows, dtype=np.int64), nw, wi) for (nw, wi), rows in keyed.items()]
+        )
+        dst_tensors.append([r.tensor_idx for r in refs])
+
+    def col(values: list[int]) -> np.ndarray:
+        return np.asarray([values[i] for i in rows_t], dtype=U64)
+
+    return RefTable(
+        src=src,
+        dst=dst,
+        tensor_idx=t,
+        group_of=np.asarray(rows_g, dtype=np.int64),
+        src_base=col(src.base),
+        src_row_stride=col(src.row_stride),
+        src_sub_stride=col(src.sub_stride),
+        dst_base=col(dst.base),
+        dst_row_stride=col(dst.row_stride),
+        dst_sub_stride=col(dst.sub_stride),
+        frag_start=fstart,
+        frag_count=fcount,
+        frag_src=frag_src,
+        frag_dst=frag_dst,
+        frag_size=np.asarray(fz, dtype=U64),
+        bytes_per_block=np.asarray(per_block, dtype=np.int64),
+        partitions=partitions,
+        simple=simple,
+        num_groups=len(layout.groups),
+        dst_tensors_of_group=dst_tensors,
+        max_gpu_block=[min(gpu.num_rows[r.tensor_idx] for r in refs) if refs else 0
+                       for refs in layout.groups],
+    )
+
+
+@dataclass
+class Segment:
+    """Refs of one group (sharing one writer rotation) and the slots they copy."""
+
+    refs: np.ndarray  # int64 rows of the RefTable
+    src_slots: np.ndarray  # uint64 [n]
+    dst_slots: np.ndarray  # uint64 [n]
+
+
+@dataclass
+class TransferPlan:
+    """Everything one transfer copies, structured; `flat()` gives the descriptor arrays."""
+
+    table: RefTable
+    segments: list[Segment]
+    nbytes: int
+    num_descriptors: int
+    #: objects a copy path needs alive until the transfer completes (staging buffers)
+    keepalive: list[Any] = field(default_factory=list)
+    _flat: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+    _coalesced: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+
+    @classmethod
+    def raw(
+        cls, table: RefTable, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray
+    ) -> TransferPlan:
+        """A plan from explicit descriptors (test hook for fault injection; no validation)."""
+        s = np.ascontiguousarray(src, dtype=U64)
+        d = np.ascontiguousarray(dst, dtype=U64)
+        z = np.ascontiguousarray(sizes, dtype=U64)
+        plan = cls(table, [], int(z.sum()), len(z))
+        plan._flat = (s, d, z)
+        return plan
+
+    def flat(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(src pointers, dst pointers, sizes) as contiguous uint64 arrays (cached)."""
+        if self._flat is None:
+            self._flat = _expand(self.table, self.segments, self.num_descriptors)
+        return self._flat
+
+    def coalesced(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """`flat()` with neighbours that are contiguous on both sides merged (cached)."""
+        if self._coalesced is None:
+            self._coalesced = coalesce(*self.flat())
+        return self._coalesced
+
+    @property
+    def max_size(self) -> int:
+        if self.num_descriptors == 0:
+            return 0
+        return int(self.flat()[2].max())
+
+
+def _slot_ptrs(
+    base: np.ndarray, row_stride: np.ndarray, sub: np.ndarray, slots: np.ndarray, factor: int
+) -> np.ndarray:
+    """(R, n) matrix of slot pointers for R refs over n slots."""
+    if factor == 1:
+        return base[:, None] + slots[None, :] * row_stride[:, None]
+    f = U64(factor)
+    return (
+        base[:, None]
+        + (slots // f)[None, :] * row_stride[:, None]
+        + (slots % f)[None, :] * sub[:, None]
+    )
+
+
+def _expand(
+    table: RefTable, segments: Sequence[Segment], count: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    out_s = np.empty(count, dtype=U64)
+    out_d = np.empty(count, dtype=U64)
+    out_z = np.empty(count, dtype=U64)
+    pos = 0
+    sf, df = table.src.factor, table.dst.factor
+    for seg in segments:
+        n = len(seg.src_slots)
+        if n == 0:
+            continue
+        r = seg.refs
+        ps = _slot_ptrs(
+            table.src_base[r], table.src_row_stride[r], table.src_sub_stride[r], seg.src_slots, sf
+        )
+        pd = _slot_ptrs(
+            table.dst_base[r], table.dst_row_stride[r], table.dst_sub_stride[r], seg.dst_slots, df
+        )
+        if bool(table.simple[r].all()):
+            end = pos + len(r) * n
+            out_s[pos:end] = ps.ravel()
+            out_d[pos:end] = pd.ravel()
+            out_z[pos:end] = np.repeat(table.frag_size[table.frag_start[r]], n)
+            pos = end
+            continue
+        for i, row in enumerate(r):
+            a = int(table.frag_start[row])
+            k = int(table.frag_count[row])
+            end = pos + n * k
+            out_s[pos:end] = (ps[i][:, None] + table.frag_src[a : a + k][None, :]).ravel()
+            out_d[pos:end] = (pd[i][:, None] + table.frag_dst[a : a + k][None, :]).ravel()
+            out_z[pos:end] = np.tile(table.frag_size[a : a + k], n)
+            pos = end
+    assert pos == count, (pos, count)
+    return out_s, out_d, out_z
+
+
+def coalesce(
+    src: np.ndarray, dst: np.ndarray, sizes: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Merge consecutive descriptors that are contiguous in both source and destination."""
+    n = len(sizes)
+    if n <= 1:
+        return src, dst, sizes
+    ends_s = src[:-1] + sizes[:-1]
+    ends_d = dst[:-1] + sizes[:-1]
+    joins = (ends_s == src[1:]) & (ends_d == dst[1:])
+    if not joins.any():
+        return src, dst, sizes
+    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+    return src[starts].copy(), dst[starts].copy(), np.add.reduceat(sizes, starts).astype(U64)
+
+
+def _as_ids(x: Any, what: str) -> np.ndarray:
+    """A 1-D int64 array of ids; rejects floats, bools, non-1-D and non-integer input."""
+    try:
+        arr = np.asarray(x)
+    except Exception as exc:  # pragma: no cover - exotic inputs
+        raise InvalidTransferError(f"{what}: cannot read ids ({exc})") from None
+    if arr.ndim != 1:
+        if arr.ndim == 0 or arr.size != 0:
+            raise InvalidTransferError(f"{what}: expected a 1-D sequence of ints, got {arr.shape}")
+        arr = arr.reshape(0)
+    if arr.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+        raise InvalidTransferError(f"{what}: ids must be integers, got dtype {arr.dtype}")
+    if arr.dtype == np.uint64 and int(arr.max()) > np.iinfo(np.int64).max:
+        raise InvalidTransferError(f"{what}: id {int(arr.max())} out of range")
+    return arr.astype(np.int64, copy=False)
+
+
+def build_plan(
+    table: RefTable,
+    gpu_blocks: Any,
+    cpu_chunks: Any,
+    group_sizes: Sequence[int] | None,
+    block_indices: Sequence[int] | None,
+    gpu_to_cpu: bool,
+    num_cpu_chunks: int,
+) -> TransferPlan:
+    """Validate one request and build its plan; raises InvalidTransferError, writes nothing."""
+    gpu = _as_ids(gpu_blocks, "gpu_blocks")
+    cpu = _as_ids(cpu_chunks, "cpu_chunks")
+    ng = table.num_groups
+    if group_sizes is None:
+        if ng != 1:
+            raise InvalidTransferError(
+                f"group_sizes is required: the layout has {ng} KV-cache groups"
+            )
+        gs = np.asarray([len(gpu)], dtype=np.int64)
+    else:
+        gs = _as_ids(group_sizes, "group_sizes")
+    bi = np.zeros(ng, dtype=np.int64) if block_indices is None else _as_ids(
+        block_indices, "block_indices"
+    )
+    if len(gs) != ng:
+        raise InvalidTransferError(f"group_sizes has {len(gs)} entries, the layout has {ng} groups")
+    if len(bi) != ng:
+        raise InvalidTransferError(
+            f"block_indices has {len(bi)} entries, the layout has {ng} groups"
+        )
+    if (gs < 0).any():
+        raise InvalidTransferError(f"group_sizes must be >= 0, got {gs.tolist()}")
+    if (bi < 0).any():
+        raise InvalidTransferError(f"block_indices must be >= 0, got {bi.tolist()}")
+    if int(gs.sum()) != len(gpu):
+        raise InvalidTransferError(
+            f"sum(group_sizes) = {int(gs.sum())} != len(gpu_blocks) = {len(gpu)}"
+        )
+    if len(cpu) and (int(cpu.min()) < 0 or int(cpu.max()) >= num_cpu_chunks):
+        bad = int(cpu.min()) if int(cpu.min()) < 0 else int(cpu.max())
+        raise InvalidTransferError(f"cpu chunk id {bad} out of range [0, {num_cpu_chunks})")
+    host_side = table.dst if gpu_to_cpu else table.src
+    bpc = host_side.factor
+    skips = bi % bpc
+    chunks_per_group = np.where(gs > 0, (gs + skips + bpc - 1) // bpc, 0)
+    if int(chunks_per_group.sum()) != len(cpu):
+        raise InvalidTransferError(
+            f"the groups need {int(chunks_per_group.sum())} cpu chunks "
+            f"({chunks_per_group.tolist()} with blocks_per_chunk={bpc}), got {len(cpu)}"
+        )
+    segments: list[Segment] = []
+    dst_slots_by_tensor: dict[int, list[np.ndarray]] = {}
+    nbytes = 0
+    count = 0
+    g_off = 0
+    c_off = 0
+    arange = np.arange(bpc, dtype=np.int64)
+    for g in range(ng):
+        n = int(gs[g])
+        if n == 0:
+            continue
+        g_ids = gpu[g_off : g_off + n]
+        c_ids = cpu[c_off : c_off + int(chunks_per_group[g])]
+        g_off += n
+        c_off += int(chunks_per_group[g])
+        limit = table.max_gpu_block[g]
+        if int(g_ids.min()) < 0 or int(g_ids.max()) >= limit:
+            bad = int(g_ids.min()) if int(g_ids.min()) < 0 else int(g_ids.max())
+            raise InvalidTransferError(f"gpu block id {bad} out of range [0, {limit}) in group {g}")
+        skip = int(skips[g])
+        if bpc == 1:
+            h_slots = c_ids
+        else:
+            h_slots = (c_ids[:, None] * bpc + arange[None, :]).ravel()[skip : skip + n]
+        g_u = g_ids.astype(U64)
+        h_u = h_slots.astype(U64)
+        src_slots, dst_slots = (g_u, h_u) if gpu_to_cpu else (h_u, g_u)
+        for t in table.dst_tensors_of_group[g]:
+            dst_slots_by_tensor.setdefault(t, []).append(dst_slots)
+        for rows, nw, wi in table.partitions[g]:
+            if nw > 1:
+                keep = (h_u % U64(nw)) == U64(wi)
+                s, d = src_slots[keep], dst_slots[keep]
+            else:
+                s, d = src_slots, dst_slots
+            k = len(s)
+            if k == 0:
+                continue
+            segments.append(Segment(rows, s, d))
+            nbytes += k * int(table.bytes_per_block[rows].sum())
+            count += k * int(table.frag_count[rows].sum())
+    for t, parts in dst_slots_by_tensor.items():
+        allslots = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        if len(np.unique(allslots)) != len(allslots):
+            side = "cpu chunk slot" if gpu_to_cpu else "gpu block"
+            vals, counts = np.unique(allslots, return_counts=True)
+            raise InvalidTransferError(
+                f"duplicate destination: {side} {int(vals[counts > 1][0])} of tensor {t} "
+                "is written twice in one transfer"
+            )
+    return TransferPlan(table, segments, nbytes, count)

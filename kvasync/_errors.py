@@ -1,0 +1,54 @@
+"""The exceptions kvasync raises, as one tree so callers can catch at the right level.
+
+    KVAsyncError
+     +-- InvalidTransferError (also ValueError)   bad input; raised by store()/load() before
+     |                                             anything is enqueued, nothing is written
+     +-- OffloaderClosedError (also RuntimeError) the offloader was closed
+     +-- BackendUnavailableError (also RuntimeError)
+     |                                             the backend asked for cannot run here
+     +-- TransferFailedError                      a submitted copy failed (on the device or
+          |                                        behind a failed copy of the same direction)
+          +-- OffloaderBrokenError                submitting to a direction after a failure
+
+`InvalidTransferError` subclasses `ValueError` so code that validates input generically keeps
+working; `TransferFailedError` carries the `job_id` of the transfer it belongs to.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BackendUnavailableError",
+    "InvalidTransferError",
+    "KVAsyncError",
+    "OffloaderBrokenError",
+    "OffloaderClosedError",
+    "TransferFailedError",
+]
+
+
+class KVAsyncError(Exception):
+    """Base class of every exception kvasync raises on purpose."""
+
+
+class InvalidTransferError(KVAsyncError, ValueError):
+    """Arguments of a call are wrong; raised before anything is enqueued or written."""
+
+
+class OffloaderClosedError(KVAsyncError, RuntimeError):
+    """The offloader was closed; no new transfers are accepted."""
+
+
+class BackendUnavailableError(KVAsyncError, RuntimeError):
+    """The requested backend (e.g. ``"cuda"``) cannot run on this machine."""
+
+
+class TransferFailedError(KVAsyncError):
+    """A submitted transfer failed, or was queued behind one that failed."""
+
+    def __init__(self, message: str, job_id: int | None = None) -> None:
+        super().__init__(message)
+        self.job_id = job_id
+
+
+class OffloaderBrokenError(TransferFailedError):
+    """A direction of the offloader failed earlier; it accepts no new transfers."""

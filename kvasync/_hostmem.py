@@ -1,0 +1,103 @@
+"""Host memory: page-aligned anonymous mappings and chunked, row-aligned pinning.
+
+Why mmap and not a pinned allocator: torch's pinned allocator rounds to powers of two (a
+2.08 GiB pool costs 4 GiB), and one huge cudaHostAlloc takes seconds. An anonymous mapping
+costs what it holds; pinning it with cudaHostRegister is done in chunks that end on row
+boundaries (so no block straddles two registrations) and are at most 64 GiB (driver limit),
+rolled back in reverse order if any chunk fails.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+from collections.abc import Callable
+
+import numpy as np
+
+from ._backends._base import HostMemory
+
+__all__ = ["MAX_REGISTER_CHUNK_BYTES", "alloc_mmap", "pin_chunks", "unpin_chunks"]
+
+log = logging.getLogger("kvasync")
+
+MAX_REGISTER_CHUNK_BYTES = 64 * 1024**3
+
+Register = Callable[[int, int], bool]
+Unregister = Callable[[int], bool]
+
+
+def alloc_mmap(nbytes: int) -> tuple[mmap.mmap, np.ndarray, int]:
+    """An anonymous private mapping of `nbytes` (>= 1 page) as a uint8 array and its address."""
+    size = max(int(nbytes), 1)
+    size = -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
+    mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    arr = np.frombuffer(mm, dtype=np.uint8, count=size)
+    return mm, arr, int(arr.ctypes.data)
+
+
+def pin_chunks(
+    ptr: int,
+    nbytes: int,
+    row_bytes: int,
+    register: Register,
+    unregister: Unregister,
+    cap: int = MAX_REGISTER_CHUNK_BYTES,
+) -> list[int] | None:
+    """Register [ptr, ptr+nbytes) in row-aligned chunks of at most `cap` bytes.
+
+    Returns the registered chunk addresses, or None (after unregistering, in reverse, every
+    chunk that did succeed) when one registration fails. A single row larger than `cap` is
+    registered whole.
+    """
+    rows_per_chunk = max(cap // max(row_bytes, 1), 1)
+    chunk = rows_per_chunk * max(row_bytes, 1)
+    done: list[int] = []
+    for off in range(0, nbytes, chunk):
+        size = min(chunk, nbytes - off)
+        if register(ptr + off, size):
+            done.append(ptr + off)
+            continue
+        log.warning(
+            "kvasync: pinning host memory failed at %.2f of %.2f GB; rolling back %d chunk(s), "
+            "the memory stays pageable (only DMA copy paths will be used)",
+            off / 1e9,
+            nbytes / 1e9,
+            len(done),
+        )
+        unpin_chunks(done, unregister)
+        return None
+    return done
+
+
+def unpin_chunks(addresses: list[int], unregister: Unregister) -> None:
+    """Unregister chunk addresses in reverse order (a failure is logged, not raised)."""
+    for addr in reversed(addresses):
+        if not unregister(addr):
+            log.warning("kvasync: unregistering host memory at %#x failed", addr)
+    addresses.clear()
+
+
+def host_memory(
+    nbytes: int,
+    row_bytes: int,
+    register: Register | None = None,
+    unregister: Unregister | None = None,
+    cap: int = MAX_REGISTER_CHUNK_BYTES,
+) -> HostMemory:
+    """Allocate a mapping and, when `register` is given, pin it in chunks."""
+    mm, arr, ptr = alloc_mmap(nbytes)
+    pinned: list[int] | None = None
+    if register is not None and unregister is not None:
+        pinned = pin_chunks(ptr, len(arr), row_bytes, register, unregister, cap)
+
+    def release() -> None:
+        if pinned and unregister is not None:
+            unpin_chunks(pinned, unregister)
+        try:
+            mm.close()
+        except BufferError:
+            # views handed out still exist; the mapping is freed when they are collected
+            pass
+
+    return HostMemory(ptr, len(arr), arr, pinned is not None, release)

@@ -1,0 +1,271 @@
+"""Layout math: what a KV cache looks like in bytes, on the GPU and in canonical host pages.
+
+A KV cache is a list of tensors whose dim 0 indexes blocks (`KVTensor`), plus, per KV-cache
+group, the references (`KVRef`) to the tensors that hold that group's layers. A reference
+copies the first `page_size_bytes` of each block row; the tensor's own page may be larger
+(padding), and the host side keeps the tensor's page as its sub-slot stride so stores and
+loads are exact inverses.
+
+Under the canonical layout a `PageMapping` tells where this rank's bytes of one block live
+inside the parallelism-free canonical page, as `CopyRun`s of equally spaced fragments.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._arrays import ArrayInfo, array_info
+from ._errors import InvalidTransferError
+
+__all__ = ["CopyRun", "KVCacheLayout", "KVRef", "KVTensor", "PageMapping"]
+
+
+@dataclass(frozen=True)
+class CopyRun:
+    """`num_fragments` fragments of `fragment_size` bytes.
+
+    Fragment i covers ``[local_offset + i*local_stride, +fragment_size)`` of this rank's page
+    and ``[canonical_offset + i*canonical_stride, +fragment_size)`` of the canonical page.
+    """
+
+    local_offset: int
+    canonical_offset: int
+    fragment_size: int
+    num_fragments: int = 1
+    local_stride: int = 0
+    canonical_stride: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("local_offset", "canonical_offset", "local_stride", "canonical_stride"):
+            if int(getattr(self, name)) < 0:
+                raise InvalidTransferError(f"CopyRun.{name} must be >= 0")
+        if self.fragment_size <= 0 or self.num_fragments <= 0:
+            raise InvalidTransferError("CopyRun needs fragment_size > 0 and num_fragments > 0")
+
+    def fragments(self) -> list[tuple[int, int, int]]:
+        """(local offset, canonical offset, size) of each fragment, in order."""
+        return [
+            (
+                self.local_offset + i * self.local_stride,
+                self.canonical_offset + i * self.canonical_stride,
+                self.fragment_size,
+            )
+            for i in range(self.num_fragments)
+        ]
+
+
+@dataclass(frozen=True)
+class PageMapping:
+    """Where this rank's page of one block lies inside the canonical page.
+
+    `runs` cover the whole local page and are used in both directions. `num_writers` ranks
+    hold byte-identical copies of these canonical bytes; stores keep only the blocks whose
+    canonical page id satisfies ``id % num_writers == writer_index`` (rotation spreads the
+    store bandwidth over the replicas). Loads never filter.
+    """
+
+    canonical_page_size_bytes: int
+    local_page_size_bytes: int
+    runs: tuple[CopyRun, ...]
+    num_writers: int = 1
+    writer_index: int = 0
+    parallelism_agnostic: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "runs", tuple(self.runs))
+        if self.num_writers < 1 or not 0 <= self.writer_index < self.num_writers:
+            raise InvalidTransferError(
+                f"PageMapping needs num_writers >= 1 and 0 <= writer_index < num_writers, "
+                f"got {self.num_writers}, {self.writer_index}"
+            )
+        if self.canonical_page_size_bytes <= 0 or self.local_page_size_bytes <= 0:
+            raise InvalidTransferError("PageMapping page sizes must be > 0")
+        local: list[tuple[int, int]] = []
+        canon: list[tuple[int, int]] = []
+        for run in self.runs:
+            for lo, co, size in run.fragments():
+                if lo + size > self.local_page_size_bytes:
+                    raise InvalidTransferError(
+                        f"CopyRun fragment [{lo}, {lo + size}) exceeds the local page "
+                        f"({self.local_page_size_bytes} B)"
+                    )
+                if co + size > self.canonical_page_size_bytes:
+                    raise InvalidTransferError(
+                        f"CopyRun fragment [{co}, {co + size}) exceeds the canonical page "
+                        f"({self.canonical_page_size_bytes} B)"
+                    )
+                local.append((lo, size))
+                canon.append((co, size))
+        for name, spans in (("local", local), ("canonical", canon)):
+            spans.sort()
+            for (a, sa), (b, _) in zip(spans, spans[1:]):
+                if a + sa > b:
+                    raise InvalidTransferError(f"PageMapping {name} fragments overlap at {b}")
+        if sum(s for _, s in local) != self.local_page_size_bytes:
+            raise InvalidTransferError(
+                "PageMapping runs must cover the local page exactly "
+                f"({sum(s for _, s in local)} of {self.local_page_size_bytes} B)"
+            )
+
+    def is_writer(self, page_id: int) -> bool:
+        """True iff this rank writes canonical page `page_id` on stores."""
+        return page_id % self.num_writers == self.writer_index
+
+    @property
+    def num_fragments(self) -> int:
+        return sum(r.num_fragments for r in self.runs)
+
+    @classmethod
+    def identity(cls, page_size_bytes: int) -> PageMapping:
+        """Whole page at offset 0: the single-rank canonical mapping."""
+        return cls(page_size_bytes, page_size_bytes, (CopyRun(0, 0, page_size_bytes),))
+
+
+@dataclass
+class KVTensor:
+    """One unique KV tensor; dim 0 indexes blocks.
+
+    `page_size_bytes` is this tensor's bytes per block (default: the bytes of one row). It may
+    include padding up to the row stride; it is the sub-slot stride of the host copy.
+    """
+
+    tensor: Any
+    page_size_bytes: int | None = None
+    info: ArrayInfo = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        info = array_info(self.tensor, "KVTensor")
+        if len(info.shape) < 1 or info.shape[0] < 1:
+            raise InvalidTransferError("KVTensor: the tensor needs dim 0 (blocks) of size >= 1")
+        if not info.inner_contiguous():
+            raise InvalidTransferError(
+                "KVTensor: every dim after dim 0 must be contiguous so a block is one byte range"
+            )
+        if info.shape[0] > 1 and info.row_stride < info.row_bytes:
+            raise InvalidTransferError("KVTensor: block rows overlap (row stride < row bytes)")
+        page = info.row_bytes if self.page_size_bytes is None else int(self.page_size_bytes)
+        if page <= 0:
+            raise InvalidTransferError("KVTensor: page_size_bytes must be > 0")
+        limit = max(info.row_stride, info.row_bytes) if info.shape[0] > 1 else info.row_bytes
+        if page > limit:
+            raise InvalidTransferError(
+                f"KVTensor: page_size_bytes {page} exceeds the row stride ({limit} B)"
+            )
+        self.page_size_bytes = page
+        self.info = info
+
+    @property
+    def num_blocks(self) -> int:
+        return self.info.shape[0]
+
+    @property
+    def page(self) -> int:
+        assert self.page_size_bytes is not None
+        return self.page_size_bytes
+
+
+@dataclass(frozen=True)
+class KVRef:
+    """A layer (or layer set) of one KV group stored in tensor `tensor_idx`.
+
+    `page_size_bytes` is the un-padded bytes copied per block (default: the tensor's row
+    bytes); `mapping` places them in the canonical page (None: no canonical form).
+    """
+
+    tensor_idx: int
+    page_size_bytes: int | None = None
+    mapping: PageMapping | None = None
+
+
+class KVCacheLayout:
+    """The tensors of a KV cache and, per KV-cache group, the refs into them."""
+
+    def __init__(
+        self,
+        tensors: Sequence[KVTensor | Any],
+        groups: Sequence[Sequence[KVRef]] | None = None,
+    ) -> None:
+        if len(tensors) == 0:
+            raise InvalidTransferError("KVCacheLayout needs at least one tensor")
+        self.tensors: list[KVTensor] = [
+            t if isinstance(t, KVTensor) else KVTensor(t) for t in tensors
+        ]
+        if groups is None:
+            groups = [[KVRef(i) for i in range(len(self.tensors))]]
+        if len(groups) == 0:
+            raise InvalidTransferError("KVCacheLayout needs at least one group")
+        devices = {(t.info.device, t.info.device_id) for t in self.tensors}
+        if len(devices) != 1:
+            raise InvalidTransferError(f"KVCacheLayout: tensors live on several devices {devices}")
+        resolved: list[list[KVRef]] = []
+        for g, refs in enumerate(groups):
+            out: list[KVRef] = []
+            seen: set[int] = set()
+            for ref in refs:
+                if not isinstance(ref, KVRef):
+                    raise InvalidTransferError(f"group {g}: expected KVRef, got {type(ref)}")
+                if not 0 <= ref.tensor_idx < len(self.tensors):
+                    raise InvalidTransferError(
+                        f"group {g}: tensor_idx {ref.tensor_idx} out of range "
+                        f"[0, {len(self.tensors)})"
+                    )
+                if ref.tensor_idx in seen:
+                    raise InvalidTransferError(
+                        f"group {g}: tensor {ref.tensor_idx} is referenced twice; its blocks "
+                        "would be copied onto themselves"
+                    )
+                seen.add(ref.tensor_idx)
+                tensor = self.tensors[ref.tensor_idx]
+                page = tensor.info.row_bytes if ref.page_size_bytes is None else ref.page_size_bytes
+                if not 0 < page <= tensor.info.row_bytes or page > tensor.page:
+                    raise InvalidTransferError(
+                        f"group {g}: ref page_size_bytes {page} must be in (0, "
+                        f"{min(tensor.info.row_bytes, tensor.page)}] for tensor {ref.tensor_idx}"
+                    )
+                if ref.mapping is not None and ref.mapping.local_page_size_bytes != page:
+                    raise InvalidTransferError(
+                        f"group {g}: mapping.local_page_size_bytes "
+                        f"{ref.mapping.local_page_size_bytes} != ref page {page}"
+                    )
+                out.append(KVRef(ref.tensor_idx, page, ref.mapping))
+            resolved.append(out)
+        self.groups: list[list[KVRef]] = resolved
+
+    @classmethod
+    def from_tensors(cls, tensors: Sequence[Any]) -> KVCacheLayout:
+        """One group, one ref per tensor; each page is the bytes of one block row."""
+        return cls([KVTensor(t) for t in tensors])
+
+    @property
+    def device(self) -> str:
+        return self.tensors[0].info.device
+
+    @property
+    def num_blocks(self) -> list[int]:
+        return [t.num_blocks for t in self.tensors]
+
+    def canonical_bytes_per_block(self) -> list[int]:
+        """Per tensor, the largest canonical page of the refs using it (all need a mapping)."""
+        sizes = [0] * len(self.tensors)
+        for g, refs in enumerate(self.groups):
+            for ref in refs:
+                if ref.mapping is None:
+                    raise InvalidTransferError(
+                        f"canonical layout: group {g} ref on tensor {ref.tensor_idx} has no "
+                        "PageMapping (uncertified layouts cannot be stored canonically)"
+                    )
+                sizes[ref.tensor_idx] = max(
+                    sizes[ref.tensor_idx], ref.mapping.canonical_page_size_bytes
+                )
+        for t, size in enumerate(sizes):
+            if size == 0:
+                raise InvalidTransferError(f"canonical layout: tensor {t} is used by no ref")
+        return sizes
+
+    def __repr__(self) -> str:
+        return (
+            f"KVCacheLayout({len(self.tensors)} tensors, "
+            f"groups={[[r.tensor_idx for r in g] for g in self.groups]})"
+        )

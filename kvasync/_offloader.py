@@ -1,0 +1,351 @@
+"""The public offloader: a KV cache, its host copy, and awaitable stores and loads.
+
+Data path of `store()` (and, mirrored, `load()`)::
+
+    request ids --build_plan--> TransferPlan (descriptors) --backend copy path-->
+    stream + events --completion thread--> Transfer completed --loop resolver--> await
+
+Everything that can be wrong with a request is checked in `build_plan` before the direction
+queue is touched, so a bad call raises and leaves no trace.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ._arrays import array_info
+from ._backends import Backend, Direction, HostMemory, Stream, load_backend
+from ._completion import CompletionEngine
+from ._descriptors import RefTable, SideGeometry, TransferPlan, build_plan, build_ref_table
+from ._errors import (
+    BackendUnavailableError,
+    InvalidTransferError,
+    OffloaderClosedError,
+    TransferFailedError,
+)
+from ._layout import KVCacheLayout
+from ._scheduler import DirectionQueue
+from ._transfer import Transfer
+
+__all__ = ["Offloader"]
+
+log = logging.getLogger("kvasync")
+
+Ids = Sequence[int] | np.ndarray
+
+
+def _pick_backend(name: str, layout: KVCacheLayout) -> str:
+    if name != "auto":
+        return name
+    if layout.device != "cuda":
+        return "host"
+    try:
+        import cupy
+
+        if cupy.is_available():
+            return "cuda"
+    except ImportError:
+        pass
+    raise BackendUnavailableError(
+        "the KV tensors are CUDA tensors but CuPy cannot use the GPU; install "
+        "kvasync[cuda12] or kvasync[cuda13]"
+    )
+
+
+class Offloader:
+    """Moves blocks of `layout` between its device tensors and a host copy.
+
+    The host copy has `num_cpu_chunks` chunks per KV tensor; a chunk holds
+    `blocks_per_chunk` blocks. `store()` and `load()` return a `Transfer` that is already
+    submitted; transfers of one direction run and complete in call order, the two
+    directions are independent.
+
+    Use it as ``async with Offloader(...) as off:`` or call `aclose()` / `close()`.
+    """
+
+    def __init__(
+        self,
+        layout: KVCacheLayout,
+        num_cpu_chunks: int,
+        blocks_per_chunk: int = 1,
+        backend: str | Backend = "auto",
+        *,
+        copy_path: str = "auto",
+        canonical: bool = False,
+        host_region: Any | None = None,
+        compute_stream: Any | None = None,
+        max_streams: int = 4,
+    ) -> None:
+        if not isinstance(layout, KVCacheLayout):
+            raise InvalidTransferError(f"layout must be a KVCacheLayout, got {type(layout)}")
+        for name, value, low in (
+            ("num_cpu_chunks", num_cpu_chunks, 1),
+            ("blocks_per_chunk", blocks_per_chunk, 1),
+            ("max_streams", max_streams, 1),
+        ):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+                raise InvalidTransferError(f"{name} must be an int >= {low}, got {value!r}")
+        self.layout = layout
+        self.num_cpu_chunks = int(num_cpu_chunks)
+        self.blocks_per_chunk = int(blocks_per_chunk)
+        self.canonical = bool(canonical)
+        canon_sizes = layout.canonical_bytes_per_block() if self.canonical else None
+        first = layout.tensors[0].info
+        if isinstance(backend, Backend):
+            self.backend = backend
+        else:
+            self.backend = load_backend(
+                _pick_backend(backend, layout), tensor_kind=first.kind, device_id=first.device_id
+            )
+        if copy_path != "auto" and copy_path not in self.backend.paths:
+            raise InvalidTransferError(
+                f"copy_path {copy_path!r} is not one of {('auto', *self.backend.paths)}"
+            )
+        self.copy_path = copy_path
+        for i, t in enumerate(layout.tensors):
+            self.backend.check_device_array(t.info, f"KV tensor {i}")
+            self.backend.register_array(t.info)
+        self._compute_override = compute_stream
+        self.backend.compute_stream(compute_stream)  # validate early
+
+        # host side: one view per KV tensor
+        sub = canon_sizes if canon_sizes is not None else [t.page for t in layout.tensors]
+        pages = [s * self.blocks_per_chunk for s in sub]
+        self._host_mem: list[HostMemory] = []
+        self._region = host_region
+        views: list[np.ndarray] = []
+        if host_region is not None:
+            for page in pages:
+                if self.canonical:
+                    view = host_region.create_next_canonical_view(page)
+                else:
+                    view = host_region.create_next_worker_view(page)
+                if view.shape[0] < self.num_cpu_chunks:
+                    raise InvalidTransferError(
+                        f"host_region has {view.shape[0]} rows, need num_cpu_chunks="
+                        f"{self.num_cpu_chunks}"
+                    )
+                views.append(view[: self.num_cpu_chunks])
+            pin = self.backend.pin_functions()
+            if pin is not None and not host_region.is_pinned:
+                host_region.pin(*pin)
+            self.host_pinned = bool(host_region.is_pinned) or pin is None
+            for v in views:
+                self.backend.register_array(array_info(v))
+        else:
+            pinned_all = True
+            try:
+                for page in pages:
+                    mem = self.backend.alloc_host(self.num_cpu_chunks * page, page)
+                    self._host_mem.append(mem)
+                    pinned_all &= mem.pinned
+                    views.append(mem.array[: self.num_cpu_chunks * page].reshape(-1, page))
+            except Exception:
+                for mem in self._host_mem:
+                    mem.release()
+                raise
+            self.host_pinned = pinned_all or self.backend.pin_functions() is None
+        self._cpu_views = views
+
+        gpu_geo = SideGeometry(
+            base=[t.info.ptr for t in layout.tensors],
+            row_stride=[
+                t.info.row_stride if t.num_blocks > 1 else t.info.row_bytes for t in layout.tensors
+            ],
+            sub_stride=[0] * len(layout.tensors),
+            num_rows=[t.num_blocks for t in layout.tensors],
+            factor=1,
+        )
+        host_geo = SideGeometry(
+            base=[int(v.ctypes.data) for v in views],
+            row_stride=[int(v.strides[0]) for v in views],
+            sub_stride=list(sub),
+            num_rows=[self.num_cpu_chunks] * len(views),
+            factor=self.blocks_per_chunk,
+        )
+        self._tables: dict[Direction, RefTable] = {
+            "d2h": build_ref_table(layout, gpu_geo, host_geo, True, self.canonical),
+            "h2d": build_ref_table(layout, gpu_geo, host_geo, False, self.canonical),
+        }
+        self._engine = CompletionEngine()
+        self._queues: dict[Direction, DirectionQueue] = {
+            d: DirectionQueue(self.backend, d, self._engine, max_streams) for d in ("d2h", "h2d")
+        }
+        self._last: dict[Direction, Transfer | None] = {"d2h": None, "h2d": None}
+        self._job_ids = itertools.count()
+        self._submit_lock = threading.Lock()
+        self._closed = False
+
+    # -- public API ---------------------------------------------------------------------------
+    @property
+    def cpu_tensors(self) -> list[np.ndarray]:
+        """Host views, one per KV tensor: (num_cpu_chunks, cpu_page_bytes) uint8."""
+        return list(self._cpu_views)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def broken(self) -> bool:
+        """True once a transfer failed; the failed direction refuses new transfers."""
+        return any(q.failure is not None for q in self._queues.values())
+
+    def store(
+        self,
+        gpu_blocks: Ids,
+        cpu_chunks: Ids,
+        group_sizes: Sequence[int] | None = None,
+        block_indices: Sequence[int] | None = None,
+        *,
+        job_id: int | None = None,
+        stream: Any | None = None,
+        path: str | None = None,
+    ) -> Transfer:
+        """Copy GPU blocks into CPU chunks; returns the submitted Transfer (GPU -> host)."""
+        return self._submit("d2h", gpu_blocks, cpu_chunks, group_sizes, block_indices,
+                            job_id, stream, path)
+
+    def load(
+        self,
+        cpu_chunks: Ids,
+        gpu_blocks: Ids,
+        group_sizes: Sequence[int] | None = None,
+        block_indices: Sequence[int] | None = None,
+        *,
+        job_id: int | None = None,
+        stream: Any | None = None,
+        path: str | None = None,
+    ) -> Transfer:
+        """Copy CPU chunks into GPU blocks; returns the submitted Transfer (host -> GPU)."""
+        return self._submit("h2d", gpu_blocks, cpu_chunks, group_sizes, block_indices,
+                            job_id, stream, path)
+
+    def _submit(
+        self,
+        direction: Direction,
+        gpu_blocks: Ids,
+        cpu_chunks: Ids,
+        group_sizes: Sequence[int] | None,
+        block_indices: Sequence[int] | None,
+        job_id: int | None,
+        stream: Any | None,
+        path: str | None,
+    ) -> Transfer:
+        if self._closed:
+            raise OffloaderClosedError("the offloader is closed")
+        plan = build_plan(
+            self._tables[direction],
+            gpu_blocks,
+            cpu_chunks,
+            group_sizes,
+            block_indices,
+            direction == "d2h",
+            self.num_cpu_chunks,
+        )
+        return self._enqueue(direction, plan, job_id, stream, path)
+
+    def _enqueue(
+        self,
+        direction: Direction,
+        plan: TransferPlan,
+        job_id: int | None,
+        stream: Any | None,
+        path: str | None,
+    ) -> Transfer:
+        chosen = self.copy_path if path is None else path
+        if chosen != "auto" and chosen not in self.backend.paths:
+            raise InvalidTransferError(
+                f"path {chosen!r} is not one of {('auto', *self.backend.paths)}"
+            )
+        if job_id is not None and (isinstance(job_id, bool) or not isinstance(job_id, int)):
+            raise InvalidTransferError(f"job_id must be an int, got {job_id!r}")
+        compute: Stream | None = self.backend.compute_stream(
+            stream if stream is not None else self._compute_override
+        )
+        concrete = self.backend.resolve_path(chosen, direction, plan, self.host_pinned)
+        with self._submit_lock:
+            if self._closed:
+                raise OffloaderClosedError("the offloader is closed")
+            jid = next(self._job_ids) if job_id is None else job_id
+            transfer = self._queues[direction].submit(plan, jid, concrete, compute)
+            self._last[direction] = transfer
+        return transfer
+
+    # -- draining and closing ------------------------------------------------------------------
+    async def drain(self) -> None:
+        """Wait (without blocking the loop) until every submitted transfer finished.
+
+        Failures are not raised here; they belong to the transfers that failed.
+        """
+        for direction in ("d2h", "h2d"):
+            last = self._last[direction]  # type: ignore[index]
+            if last is not None:
+                try:
+                    await last
+                except TransferFailedError:
+                    pass
+
+    def drain_sync(self, timeout: float | None = None) -> bool:
+        """Block until every submitted transfer finished; False on timeout."""
+        return all(q.drain(timeout) for q in self._queues.values())
+
+    def close(self, timeout: float | None = None) -> None:
+        """Drain both directions in order, then release threads, streams, events and host
+        memory. Safe to call twice and from any thread."""
+        with self._submit_lock:
+            if self._closed:
+                return
+            self._closed = True
+        for q in self._queues.values():
+            q.close(timeout)
+        self._engine.close()
+        self.backend.close()
+        for mem in self._host_mem:
+            mem.release()
+        if self._region is not None:
+            close = getattr(self._region, "close", None)
+            self._region = None
+            self._cpu_views = []
+            if close is not None:
+                close()
+
+    async def aclose(self) -> None:
+        """`drain()` then `close()`."""
+        await self.drain()
+        self.close()
+
+    async def __aenter__(self) -> Offloader:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def __enter__(self) -> Offloader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return (
+            f"<Offloader {self.backend.name} {len(self.layout.tensors)} tensors "
+            f"{self.num_cpu_chunks} chunks x {self.blocks_per_chunk} blocks {state}>"
+        )
+
+    def _resources(self) -> dict[str, int]:
+        """Live threads, tasks and host bytes (for tests that count what close releases)."""
+        return {
+            "completion_threads": sum(q.thread_alive for q in self._queues.values()),
+            "resolver_tasks": self._engine.num_tasks,
+            "stream_threads": int(getattr(self.backend, "live_threads", 0)),
+            "host_bytes": sum(m.nbytes for m in self._host_mem if m._release is not None),
+            "inflight": sum(q.inflight for q in self._queues.values()),
+        }

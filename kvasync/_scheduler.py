@@ -1,0 +1,231 @@
+"""The scheduler: one FIFO queue per direction, from plan to stream/event to completion.
+
+Submission (caller's thread, under the direction's lock), for every transfer:
+
+1. take a stream from the direction's pool; make it wait on the compute stream (an ordering
+   event recorded there), so stores read finished KV and loads land after pending writes
+   (e.g. zeroing of freshly allocated blocks);
+2. make it wait on the previous transfer's end event of the same direction, so transfers
+   of one direction execute strictly in submission order;
+3. record the start event, enqueue the copy path, record the end event.
+
+Completion: a daemon thread per direction takes transfers in FIFO order, sleeps in the end
+event's blocking wait, then completes the `Transfer` (result or failure) and recycles its
+stream and events. Because end events of one direction complete in order, results are
+reported in submission order. A failure fails that transfer and, through the event chain,
+every transfer queued behind it in the direction; the direction then refuses new work
+(`OffloaderBrokenError`) until the offloader is closed.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from ._backends import Backend, Direction, Event, Stream
+from ._completion import CompletionEngine
+from ._descriptors import TransferPlan
+from ._errors import OffloaderBrokenError, TransferFailedError
+from ._transfer import Transfer, TransferResult
+
+__all__ = ["DirectionQueue"]
+
+log = logging.getLogger("kvasync")
+
+_STOP = object()
+
+
+@dataclass
+class _InFlight:
+    transfer: Transfer
+    plan: TransferPlan
+    stream: Stream
+    start: Event
+    end: Event
+    order: Event | None
+
+
+class DirectionQueue:
+    """Submission and completion of one direction ("d2h" stores or "h2d" loads)."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        direction: Direction,
+        engine: CompletionEngine,
+        max_streams: int = 4,
+    ) -> None:
+        self.backend = backend
+        self.direction = direction
+        self.engine = engine
+        self._max_streams = max_streams
+        self._lock = threading.Lock()
+        self._streams: list[Stream] = []
+        self._free_streams: list[Stream] = []
+        self._next_stream = 0
+        self._free_events: list[Event] = []
+        self._free_order_events: list[Event] = []
+        self._last_end: Event | None = None
+        self._pending: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._inflight = 0
+        self._idle = threading.Condition(self._lock)
+        self._thread: threading.Thread | None = None
+        self.failure: BaseException | None = None
+        self.closed = False
+        self.events_created = 0
+
+    # -- pools (called under the lock) --------------------------------------------------------
+    def _stream(self) -> Stream:
+        if self._free_streams:
+            return self._free_streams.pop()
+        if len(self._streams) < self._max_streams:
+            s = self.backend.new_stream()
+            self._streams.append(s)
+            return s
+        # every pooled stream is busy: share one round-robin (order is kept by events)
+        s = self._streams[self._next_stream % len(self._streams)]
+        self._next_stream += 1
+        return s
+
+    def _event(self, timing: bool = True) -> Event:
+        pool = self._free_events if timing else self._free_order_events
+        if pool:
+            return pool.pop()
+        self.events_created += 1
+        return self.backend.new_event(timing=timing)
+
+    # -- submission ---------------------------------------------------------------------------
+    def submit(
+        self,
+        plan: TransferPlan,
+        job_id: int,
+        path: str,
+        compute_stream: Stream | None,
+    ) -> Transfer:
+        """Enqueue `plan` behind everything submitted before in this direction."""
+        transfer = Transfer(job_id, self.direction, plan.nbytes, self.engine)
+        with self._lock:
+            if self.failure is not None:
+                raise OffloaderBrokenError(
+                    f"the {self._name} direction failed earlier ({self.failure}); "
+                    "close the offloader and build a new one",
+                    job_id,
+                )
+            stream = self._stream()
+            start, end = self._event(), self._event()
+            order: Event | None = None
+            if compute_stream is not None:
+                order = self._event(timing=False)
+                compute_stream.record(order)
+                stream.wait_event(order)
+            if self._last_end is not None:
+                stream.wait_event(self._last_end)
+            stream.record(start)
+            error: BaseException | None = None
+            try:
+                self.backend.enqueue_copy(stream, plan, self.direction, path)
+            except Exception as exc:  # an API error: the copy never got enqueued
+                error = exc
+            stream.record(end)
+            self._last_end = end
+            self._inflight += 1
+            self._ensure_thread()
+            self._pending.put((_InFlight(transfer, plan, stream, start, end, order), error))
+        return transfer
+
+    @property
+    def _name(self) -> str:
+        return "store (d2h)" if self.direction == "d2h" else "load (h2d)"
+
+    def _ensure_thread(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._complete_loop, name=f"kvasync-{self.direction}-completion", daemon=True
+            )
+            self._thread.start()
+
+    # -- completion ---------------------------------------------------------------------------
+    def _complete_loop(self) -> None:
+        while True:
+            item = self._pending.get()
+            if item is _STOP:
+                return
+            rec, submit_error = item
+            rec.end.synchronize()
+            error = submit_error or rec.end.error()
+            with self._lock:
+                if error is None and self.failure is not None:
+                    error = TransferFailedError(
+                        f"job {rec.transfer.job_id}: queued behind a failed transfer "
+                        f"({self.failure})",
+                        rec.transfer.job_id,
+                    )
+                if error is not None and self.failure is None:
+                    self.failure = error
+            result = None
+            if error is None:
+                seconds = rec.start.elapsed_seconds(rec.end)
+                result = TransferResult(rec.transfer.job_id, True, rec.plan.nbytes, seconds)
+            elif not isinstance(error, TransferFailedError):
+                err = TransferFailedError(
+                    f"job {rec.transfer.job_id}: {type(error).__name__}: {error}",
+                    rec.transfer.job_id,
+                )
+                err.__cause__ = error
+                error = err
+            elif error.job_id is None:
+                error.job_id = rec.transfer.job_id
+            with self._lock:
+                self._recycle(rec)
+            rec.transfer._complete(result, error)
+            with self._lock:
+                self._inflight -= 1
+                if self._inflight == 0:
+                    self._idle.notify_all()
+
+    def _recycle(self, rec: _InFlight) -> None:
+        if self.failure is not None:
+            return  # events carrying a failure are not reused
+        if rec.end is self._last_end:
+            self._last_end = None  # completed: the next transfer need not wait on it
+        if rec.stream not in self._free_streams:
+            self._free_streams.append(rec.stream)
+        self._free_events.append(rec.end)
+        self._free_events.append(rec.start)
+        if rec.order is not None:
+            self._free_order_events.append(rec.order)
+        rec.plan.keepalive.clear()
+
+    # -- draining and shutdown -----------------------------------------------------------------
+    def drain(self, timeout: float | None = None) -> bool:
+        """Block until every submitted transfer completed; False on timeout."""
+        with self._lock:
+            return self._idle.wait_for(lambda: self._inflight == 0, timeout)
+
+    @property
+    def inflight(self) -> int:
+        return self._inflight
+
+    def close(self, timeout: float | None = None) -> None:
+        """Drain, stop the completion thread, forget pooled handles (idempotent)."""
+        if self.closed:
+            return
+        self.drain(timeout)
+        self.closed = True
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            self._pending.put(_STOP)
+            thread.join(timeout=10)
+        with self._lock:
+            self._free_streams.clear()
+            self._streams.clear()
+            self._free_events.clear()
+            self._free_order_events.clear()
+            self._last_end = None
+
+    @property
+    def thread_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()

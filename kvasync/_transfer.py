@@ -1,0 +1,163 @@
+"""The future of one submitted copy: `Transfer`, and what it resolves to, `TransferResult`.
+
+A Transfer is completed exactly once, from the direction's completion thread, in
+submission order. It can be waited on from sync code (`wait`), awaited from any number of
+tasks in any number of event loops (each await gets its own loop future, so cancelling one
+awaiter cancels neither the copy nor the other awaiters), and observed with callbacks.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Generator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ._errors import TransferFailedError
+
+if TYPE_CHECKING:
+    from ._completion import CompletionEngine
+
+__all__ = ["Transfer", "TransferResult"]
+
+log = logging.getLogger("kvasync")
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    """What a finished transfer did: `bytes` this rank copied, `seconds` of device time."""
+
+    job_id: int
+    success: bool
+    bytes: int
+    seconds: float
+
+
+class Transfer:
+    """A store or load that is already submitted; await it, `wait()` it, or poll `done()`."""
+
+    __slots__ = (
+        "__weakref__",
+        "_callbacks",
+        "_cond",
+        "_engine",
+        "_error",
+        "_result",
+        "_resolvers",
+        "direction",
+        "job_id",
+        "nbytes",
+    )
+
+    def __init__(self, job_id: int, direction: str, nbytes: int, engine: CompletionEngine) -> None:
+        self.job_id = job_id
+        #: "d2h" for stores, "h2d" for loads
+        self.direction = direction
+        #: bytes this rank will copy
+        self.nbytes = nbytes
+        self._engine = engine
+        self._cond = threading.Condition(threading.Lock())
+        self._result: TransferResult | None = None
+        self._error: BaseException | None = None
+        self._callbacks: list[Callable[[Transfer], object]] = []
+        self._resolvers: list[Any] = []
+
+    def __repr__(self) -> str:
+        state = "pending"
+        if self._result is not None:
+            state = "done"
+        elif self._error is not None:
+            state = "failed"
+        kind = "store" if self.direction == "d2h" else "load"
+        return f"<Transfer {kind} job_id={self.job_id} {self.nbytes} B {state}>"
+
+    # -- state -------------------------------------------------------------------------------
+    def done(self) -> bool:
+        """True once the transfer finished (successfully or not)."""
+        return self._result is not None or self._error is not None
+
+    def result(self) -> TransferResult:
+        """The result; raises TransferFailedError if it failed, RuntimeError if not done."""
+        with self._cond:
+            return self._outcome()
+
+    def exception(self) -> BaseException | None:
+        """The failure, or None (raises RuntimeError if not done)."""
+        with self._cond:
+            if not self.done():
+                raise RuntimeError(f"{self!r} is not done yet")
+            return self._error
+
+    def _outcome(self) -> TransferResult:
+        if self._error is not None:
+            raise self._error
+        if self._result is None:
+            raise RuntimeError(f"{self!r} is not done yet")
+        return self._result
+
+    def wait(self, timeout: float | None = None) -> TransferResult:
+        """Block this thread until done (no event loop needed); TimeoutError after `timeout`."""
+        with self._cond:
+            if not self._cond.wait_for(self.done, timeout):
+                raise TimeoutError(f"{self!r} did not finish within {timeout} s")
+            return self._outcome()
+
+    def add_done_callback(self, fn: Callable[[Transfer], object]) -> None:
+        """Call `fn(transfer)` once done: now if already done, else from the completion thread.
+
+        An exception raised by `fn` is logged and does not affect the transfer or others.
+        """
+        with self._cond:
+            if not self.done():
+                self._callbacks.append(fn)
+                return
+        _run_callback(fn, self)
+
+    def __await__(self) -> Generator[Any, None, TransferResult]:
+        if self.done():
+            return self.result()
+        fut = self._engine.future_for(self)
+        if fut is None:  # completed while registering
+            return self.result()
+        result: TransferResult = yield from fut.__await__()
+        return result
+
+    # -- completion (called by the scheduler's completion thread) -----------------------------
+    def _attach(self, resolver: Any) -> bool:
+        """Register a loop resolver to be told on completion; False if already done."""
+        with self._cond:
+            if self.done():
+                return False
+            if resolver not in self._resolvers:
+                self._resolvers.append(resolver)
+            return True
+
+    def _complete(self, result: TransferResult | None, error: BaseException | None) -> None:
+        with self._cond:
+            if self.done():
+                return
+            if error is not None:
+                if not isinstance(error, TransferFailedError):
+                    wrapped = TransferFailedError(
+                        f"job {self.job_id}: {type(error).__name__}: {error}", self.job_id
+                    )
+                    wrapped.__cause__ = error
+                    error = wrapped
+                self._error = error
+            else:
+                self._result = result
+            callbacks, self._callbacks = self._callbacks, []
+            resolvers, self._resolvers = self._resolvers, []
+            self._cond.notify_all()
+        for resolver in resolvers:
+            resolver.notify(self)
+        for fn in callbacks:
+            _run_callback(fn, self)
+
+
+def _run_callback(fn: Callable[[Transfer], object], transfer: Transfer) -> None:
+    try:
+        fn(transfer)
+    except Exception:
+        log.exception("kvasync: done-callback %r of %r raised", fn, transfer)
