@@ -32,35 +32,45 @@ __all__ = ["HostBackend", "HostEvent", "HostStream"]
 _memmove = ctypes.memmove
 
 
+class _Mark:
+    """One recording of an event: what a wait captured at enqueue time (CUDA's rule)."""
+
+    __slots__ = ("error", "flag", "time")
+
+    def __init__(self, done: bool) -> None:
+        self.flag = threading.Event()
+        if done:
+            self.flag.set()
+        self.time = 0.0
+        self.error: BaseException | None = None
+
+
 class HostEvent(Event):
-    """Completes when its stream's worker reaches it; carries the stream's failure, if any."""
+    """Completes when its stream's worker reaches it; carries the stream's failure, if any.
+
+    Like cudaStreamWaitEvent, a wait captures the event's latest recording when it is
+    enqueued; recording the event again later does not move what that wait waits for.
+    """
 
     def __init__(self) -> None:
-        self._flag = threading.Event()
-        self._flag.set()  # an unrecorded event counts as complete (CUDA's rule)
-        self._time = 0.0
-        self._error: BaseException | None = None
+        self._mark = _Mark(done=True)  # an unrecorded event counts as complete
 
-    def _arm(self) -> None:
-        self._flag.clear()
-
-    def _fire(self, error: BaseException | None) -> None:
-        self._time = time.perf_counter()
-        self._error = error
-        self._flag.set()
+    def _arm(self) -> _Mark:
+        self._mark = _Mark(done=False)
+        return self._mark
 
     def query(self) -> bool:
-        return self._flag.is_set()
+        return self._mark.flag.is_set()
 
     def synchronize(self, timeout: float | None = None) -> bool:
-        return self._flag.wait(timeout)
+        return self._mark.flag.wait(timeout)
 
     def error(self) -> BaseException | None:
-        return self._error
+        return self._mark.error
 
     def elapsed_seconds(self, end: Event) -> float:
         assert isinstance(end, HostEvent)
-        return max(end._time - self._time, 0.0)
+        return max(end._mark.time - self._mark.time, 0.0)
 
 
 _STOP = object()
@@ -91,12 +101,11 @@ class HostStream(Stream):
 
     def record(self, event: Event) -> None:
         assert isinstance(event, HostEvent)
-        event._arm()
-        self._put(("record", event))
+        self._put(("record", event._arm()))
 
     def wait_event(self, event: Event) -> None:
         assert isinstance(event, HostEvent)
-        self._put(("wait", event))
+        self._put(("wait", event._mark))
 
     def enqueue(self, fn: Any, *args: Any) -> None:
         """Run `fn(*args)` on the stream (used by copies and by tests as 'compute')."""
@@ -109,12 +118,15 @@ class HostStream(Stream):
                 return
             op = item[0]
             if op == "record":
-                item[1]._fire(self._error)
+                mark: _Mark = item[1]
+                mark.time = time.perf_counter()
+                mark.error = self._error
+                mark.flag.set()
             elif op == "wait":
-                ev: HostEvent = item[1]
-                ev._flag.wait()
-                if ev._error is not None and self._error is None:
-                    self._error = ev._error
+                mark = item[1]
+                mark.flag.wait()
+                if mark.error is not None and self._error is None:
+                    self._error = mark.error
             elif op == "call":
                 if self._error is not None:
                     continue

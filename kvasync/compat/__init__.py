@@ -1,0 +1,1 @@
+"""Drop-in facades for other projects' interfaces (`kvasync.compat.vllm`)."""

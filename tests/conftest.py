@@ -1,0 +1,81 @@
+"""Shared fixtures: backend cases (host always; CUDA paths when a GPU is usable)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+
+def gpu_available() -> bool:
+    try:
+        import cupy
+
+        return bool(cupy.is_available())
+    except Exception:
+        return False
+
+
+HAS_GPU = gpu_available()
+REQUIRE_GPU = os.environ.get("KVASYNC_REQUIRE_GPU") == "1"
+
+#: (backend, copy_path); CUDA ones carry the gpu mark and skip without a GPU
+BACKEND_CASES = [
+    pytest.param(("host", "auto"), id="host"),
+    *[
+        pytest.param(("cuda", p), id=f"cuda-{p}", marks=pytest.mark.gpu)
+        for p in ("kernel", "dma", "auto")
+    ],
+]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if HAS_GPU:
+        return
+    if REQUIRE_GPU:
+        raise pytest.UsageError("KVASYNC_REQUIRE_GPU=1 but no usable GPU (cupy.is_available())")
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (cupy.is_available() is False)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(params=BACKEND_CASES)
+def backend_case(request: pytest.FixtureRequest) -> tuple[str, str]:
+    case: tuple[str, str] = request.param
+    return case
+
+
+class Mem:
+    """Makes 'device' arrays for a backend case and reads them back as numpy."""
+
+    def __init__(self, backend: str) -> None:
+        self.backend = backend
+
+    def rand_u8(self, shape: tuple[int, ...], seed: int) -> Any:
+        rng = np.random.default_rng(seed)
+        host = rng.integers(0, 256, size=shape, dtype=np.uint8)
+        if self.backend == "cuda":
+            import torch
+
+            return torch.from_numpy(host).cuda()
+        return host
+
+    def to_numpy(self, x: Any) -> np.ndarray:
+        if isinstance(x, np.ndarray):
+            return x.copy()
+        t = x.detach()
+        if t.is_cuda:
+            import torch
+
+            torch.cuda.synchronize()
+            t = t.cpu()
+        return np.ascontiguousarray(t.numpy()).copy()
+
+
+@pytest.fixture
+def mem(backend_case: tuple[str, str]) -> Iterator[Mem]:
+    yield Mem(backend_case[0])
