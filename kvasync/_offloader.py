@@ -185,7 +185,13 @@ class Offloader:
     # -- public API ---------------------------------------------------------------------------
     @property
     def cpu_tensors(self) -> list[np.ndarray]:
-        """Host views, one per KV tensor: (num_cpu_chunks, cpu_page_bytes) uint8."""
+        """Host views, one per KV tensor: (num_cpu_chunks, cpu_page_bytes) uint8.
+
+        Their memory is released by `close()`; a view still held after that keeps its pages
+        mapped until it is collected, so it never dangles.
+        """
+        if self._closed:
+            raise OffloaderClosedError("the offloader is closed; its host memory is released")
         return list(self._cpu_views)
 
     @property
@@ -307,12 +313,12 @@ class Offloader:
             q.close(timeout)
         self._engine.close()
         self.backend.close()
+        self._cpu_views = []
         for mem in self._host_mem:
             mem.release()
         if self._region is not None:
             close = getattr(self._region, "close", None)
             self._region = None
-            self._cpu_views = []
             if close is not None:
                 close()
 

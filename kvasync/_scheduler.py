@@ -157,13 +157,15 @@ class DirectionQueue:
             rec.end.synchronize()
             error = submit_error or rec.end.error()
             with self._lock:
-                if error is None and self.failure is not None:
-                    error = TransferFailedError(
+                if self.failure is not None:  # whatever its own status, it ran behind a failure
+                    behind = TransferFailedError(
                         f"job {rec.transfer.job_id}: queued behind a failed transfer "
                         f"({self.failure})",
                         rec.transfer.job_id,
                     )
-                if error is not None and self.failure is None:
+                    behind.__cause__ = self.failure
+                    error = behind
+                elif error is not None:
                     self.failure = error
             result = None
             if error is None:

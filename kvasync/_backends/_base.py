@@ -80,6 +80,7 @@ class HostMemory:
     def release(self) -> None:
         fn, self._release = self._release, None
         if fn is not None:
+            self.array = np.zeros(0, dtype=np.uint8)  # drop our view before unmapping
             fn()
 
 

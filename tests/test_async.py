@@ -1,0 +1,258 @@
+"""The completion engine: ordering, many awaiters, cancellation, loops, no spinning."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+import kvasync as kv
+from kvasync._backends._host import HostStream
+
+
+class Gate:
+    """A host 'compute stream' held until `open()`: transfers queue up behind it."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.stream = HostStream(name="test-compute")
+        self.stream.enqueue(self.event.wait)
+
+    def open(self) -> None:
+        self.event.set()
+
+
+@pytest.fixture
+def gate() -> Iterator[Gate]:
+    g = Gate()
+    yield g
+    g.open()
+    g.stream.close()
+
+
+def make(blocks: int = 64, page: int = 1024, chunks: int = 64, **kw: object) -> tuple[
+    list[np.ndarray], kv.Offloader
+]:
+    gpu = [np.random.default_rng(i).integers(0, 256, (blocks, page), dtype=np.uint8)
+           for i in range(2)]
+    return gpu, kv.Offloader(kv.KVCacheLayout.from_tensors(gpu), chunks, backend="host", **kw)
+
+
+@pytest.mark.asyncio
+async def test_many_awaiters_resolve_in_submission_order() -> None:
+    gpu, off = make()
+    n = 200
+    order: list[int] = []
+    transfers = [off.store([i % 64], [i % 64]) for i in range(n)]
+    for t in transfers:
+        t.add_done_callback(lambda tr: order.append(tr.job_id))
+    awaited: list[int] = []
+
+    async def waiter(t: kv.Transfer) -> None:
+        r = await t
+        awaited.append(r.job_id)
+
+    await asyncio.gather(*(waiter(t) for t in transfers for _ in range(3)))
+    assert order == list(range(n))
+    assert len(awaited) == 3 * n and sorted(awaited) == sorted(list(range(n)) * 3)
+    # awaiters were resolved by one task in completion order
+    assert awaited[::3] == sorted(awaited[::3]) or awaited == sorted(awaited)
+    loads = [off.load([i], [i]) for i in range(64)]
+    results = await asyncio.gather(*loads)
+    assert [r.job_id for r in results] == list(range(n, n + 64))
+    await off.aclose()
+
+
+@pytest.mark.asyncio
+async def test_stores_and_loads_are_independent_queues(gate: Gate) -> None:
+    gpu, off = make(compute_stream=None)
+    held = off.store([0], [0], stream=gate.stream)
+    behind = off.store([1], [1])
+    load = off.load([5], [5])
+    r = await asyncio.wait_for(load, 5)  # the load does not wait for the held stores
+    assert r.success and not held.done() and not behind.done()
+    gate.open()
+    assert (await behind).job_id == 1 and held.done()
+    await off.aclose()
+
+
+@pytest.mark.asyncio
+async def test_cancelled_awaiter_does_not_cancel_the_copy(gate: Gate) -> None:
+    gpu, off = make()
+    t = off.store([3], [9], stream=gate.stream)
+    task = asyncio.create_task(asyncio.wait_for(t, 0.05))
+    other = asyncio.create_task(_await(t))
+    with pytest.raises(asyncio.TimeoutError):
+        await task
+    gate.open()
+    r = await other
+    assert r.success
+    np.testing.assert_array_equal(off.cpu_tensors[0][9], gpu[0][3])
+    await off.aclose()
+
+
+async def _await(t: kv.Transfer) -> kv.TransferResult:
+    return await t
+
+
+def test_transfer_from_one_loop_awaited_in_another() -> None:
+    gpu, off = make()
+
+    async def submit() -> kv.Transfer:
+        t = off.store([1, 2], [3, 4])
+        await t
+        return off.store([5], [6])
+
+    t2 = asyncio.run(submit())
+    r = asyncio.run(_await(t2))
+    assert r.job_id == 1 and r.success
+    off.close()
+
+
+def test_loop_closed_with_transfers_pending(gate: Gate, caplog: pytest.LogCaptureFixture) -> None:
+    gpu, off = make()
+    t = off.store([7], [8], stream=gate.stream)
+    loop = asyncio.new_event_loop()
+    with pytest.raises(asyncio.TimeoutError):
+        loop.run_until_complete(asyncio.wait_for(_await(t), 0.05))
+    loop.close()
+    with caplog.at_level(logging.ERROR):
+        gate.open()
+        r = t.wait(timeout=5)
+    assert r.success and not [x for x in caplog.records if x.levelno >= logging.ERROR]
+    # a new loop can still await later transfers
+    assert asyncio.run(_await(off.store([1], [1]))).success
+    off.close()
+
+
+def test_sync_wait_without_a_loop_and_timeouts(gate: Gate) -> None:
+    gpu, off = make()
+    t = off.store([0], [0], stream=gate.stream)
+    assert not t.done()
+    with pytest.raises(RuntimeError):
+        t.result()
+    with pytest.raises(TimeoutError):
+        t.wait(timeout=0.05)
+    gate.open()
+    assert t.wait(timeout=5).success and t.done() and t.exception() is None
+    assert t.result() == t.wait()
+    off.close()
+
+
+@pytest.mark.asyncio
+async def test_sync_wait_inside_a_running_loop_like_jupyter(gate: Gate) -> None:
+    """A notebook cell runs inside the kernel's loop: `wait()` must not deadlock there."""
+    gpu, off = make()
+    t = off.store([2], [2], stream=gate.stream)
+    threading.Timer(0.05, gate.open).start()
+    assert t.wait(timeout=5).success  # blocks this (loop) thread; completion runs elsewhere
+    assert (await t).success  # and top-level await of a done transfer returns at once
+    await off.aclose()
+
+
+@pytest.mark.asyncio
+async def test_waiting_does_not_spin_a_core(gate: Gate) -> None:
+    gpu, off = make()
+    t = off.store([1], [1], stream=gate.stream)
+    threading.Timer(0.5, gate.open).start()
+    cpu0, wall0 = time.process_time(), time.perf_counter()
+    r = await t
+    cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+    assert r.success and wall >= 0.45
+    assert cpu < 0.1 * wall, f"waiting burned {cpu:.3f} s CPU in {wall:.3f} s"
+    await off.aclose()
+
+
+@pytest.mark.asyncio
+async def test_loop_stays_responsive_while_transfers_run(gate: Gate) -> None:
+    gpu, off = make()
+    ts = [off.store([i], [i], stream=gate.stream) for i in range(32)]
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while not ts[-1].done():
+            ticks += 1
+            await asyncio.sleep(0.001)
+
+    task = asyncio.create_task(ticker())
+    threading.Timer(0.1, gate.open).start()
+    await asyncio.gather(*ts)
+    await task
+    assert ticks >= 20
+    await off.aclose()
+
+
+@pytest.mark.asyncio
+async def test_done_callback_exception_is_logged_and_contained(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    gpu, off = make()
+    seen: list[int] = []
+
+    def bad(t: kv.Transfer) -> None:
+        raise RuntimeError("boom")
+
+    t = off.store([0], [0])
+    t.add_done_callback(bad)
+    t.add_done_callback(lambda tr: seen.append(tr.job_id))
+    with caplog.at_level(logging.ERROR, logger="kvasync"):
+        await t
+        await off.drain()
+        t.add_done_callback(bad)  # already done: runs now, still contained
+    assert seen == [0]
+    assert sum("boom" in (r.exc_text or "") or "raised" in r.getMessage()
+               for r in caplog.records) >= 2
+    await off.aclose()
+
+
+@pytest.mark.asyncio
+async def test_aclose_drains_in_order_and_releases_everything() -> None:
+    gpu, off = make()
+    ts = [off.store([i], [i]) for i in range(50)]
+    res = off._resources()
+    assert res["completion_threads"] == 1
+    await off.aclose()
+    assert all(t.done() for t in ts)
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    res = off._resources()
+    assert res == {"completion_threads": 0, "resolver_tasks": 0, "stream_threads": 0,
+                   "host_bytes": 0, "inflight": 0}, res
+    await off.aclose()  # twice is a no-op
+    off.close()
+    with pytest.raises(kv.OffloaderClosedError):
+        off.store([0], [0])
+
+
+@pytest.mark.asyncio
+async def test_async_context_manager() -> None:
+    gpu = [np.arange(64 * 16, dtype=np.uint8).reshape(64, 16)]
+    async with kv.Offloader(kv.KVCacheLayout.from_tensors(gpu), 8) as off:
+        t = off.store([9], [1])
+        r = await t
+        host = off.cpu_tensors[0][1].copy()
+    assert off.closed and r.success
+    np.testing.assert_array_equal(host, gpu[0][9])
+    with pytest.raises(kv.OffloaderClosedError):
+        off.cpu_tensors
+
+
+def test_close_from_another_thread_while_in_flight(gate: Gate) -> None:
+    gpu, off = make()
+    ts = [off.store([i], [i], stream=gate.stream) for i in range(10)]
+    closer = threading.Thread(target=off.close)
+    closer.start()
+    time.sleep(0.05)
+    assert closer.is_alive()  # close drains: it waits for the held transfers
+    with pytest.raises(kv.OffloaderClosedError):
+        off.store([0], [0])
+    gate.open()
+    closer.join(timeout=5)
+    assert not closer.is_alive()
+    assert all(t.wait(0).success for t in ts)
