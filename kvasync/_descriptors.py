@@ -137,12 +137,16 @@ def build_ref_table(
     dst_tensors: list[list[int]] = []
     row = 0
     for refs in layout.groups:
-        keyed: dict[tuple[int, int], list[int]] = {}
+        # consecutive refs sharing a writer rotation form one partition (keeps ref order)
+        runs: list[tuple[tuple[int, int], list[int]]] = []
         for _ in refs:
-            keyed.setdefault(writers[row], []).append(row)
+            if runs and runs[-1][0] == writers[row]:
+                runs[-1][1].append(row)
+            else:
+                runs.append((writers[row], [row]))
             row += 1
         partitions.append(
-            [(np.asarray(rows, dtype=np.int64), nw, wi) for (nw, wi), rows in keyed.items()]
+            [(np.asarray(rows, dtype=np.int64), nw, wi) for (nw, wi), rows in runs]
         )
         dst_tensors.append([r.tensor_idx for r in refs])
 
