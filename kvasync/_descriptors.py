@@ -82,8 +82,8 @@ class RefTable:
     #: refs whose only fragment is offset 0 on both sides (whole-page copies)
     simple: np.ndarray  # bool [R]
     num_groups: int
-    #: per group, the tensors its refs touch on the destination side
-    dst_tensors_of_group: list[list[int]]
+    #: tensors referenced by several groups, with those groups (cross-group duplicate check)
+    shared_tensors: list[tuple[int, list[int]]]
     max_gpu_block: list[int] = field(default_factory=list)
 
 
@@ -134,7 +134,10 @@ def build_ref_table(
     frag_dst = np.asarray(fd, dtype=U64)
     simple = (fcount == 1) & (frag_src[fstart] == 0) & (frag_dst[fstart] == 0)
     partitions: list[list[tuple[np.ndarray, int, int]]] = []
-    dst_tensors: list[list[int]] = []
+    groups_of_tensor: dict[int, list[int]] = {}
+    for g, refs in enumerate(layout.groups):
+        for ref in refs:
+            groups_of_tensor.setdefault(ref.tensor_idx, []).append(g)
     row = 0
     for refs in layout.groups:
         # consecutive refs sharing a writer rotation form one partition (keeps ref order)
@@ -148,7 +151,6 @@ def build_ref_table(
         partitions.append(
             [(np.asarray(rows, dtype=np.int64), nw, wi) for (nw, wi), rows in runs]
         )
-        dst_tensors.append([r.tensor_idx for r in refs])
 
     def col(values: list[int]) -> np.ndarray:
         return np.asarray([values[i] for i in rows_t], dtype=U64)
@@ -173,7 +175,7 @@ def build_ref_table(
         partitions=partitions,
         simple=simple,
         num_groups=len(layout.groups),
-        dst_tensors_of_group=dst_tensors,
+        shared_tensors=[(t, gs) for t, gs in groups_of_tensor.items() if len(gs) > 1],
         max_gpu_block=[min(gpu.num_rows[r.tensor_idx] for r in refs) if refs else 0
                        for refs in layout.groups],
     )
@@ -319,6 +321,25 @@ def _as_ids(x: Any, what: str) -> np.ndarray:
     return arr.astype(np.int64, copy=False)
 
 
+def _check_unique(slots: np.ndarray, gpu_to_cpu: bool, where: str) -> None:
+    """Reject a transfer that writes one destination slot twice (copies of one batch run in
+    any order, so the result would be undefined)."""
+    n = len(slots)
+    if n <= 1:
+        return
+    if n <= 256:
+        if len(set(slots.tolist())) == n:
+            return
+    elif len(np.unique(slots)) == n:
+        return
+    vals, counts = np.unique(slots, return_counts=True)
+    side = "cpu chunk slot" if gpu_to_cpu else "gpu block"
+    raise InvalidTransferError(
+        f"duplicate destination: {side} {int(vals[counts > 1][0])} ({where}) is written twice "
+        "in one transfer"
+    )
+
+
 def build_plan(
     table: RefTable,
     gpu_blocks: Any,
@@ -370,53 +391,51 @@ def build_plan(
             f"({chunks_per_group.tolist()} with blocks_per_chunk={bpc}), got {len(cpu)}"
         )
     segments: list[Segment] = []
-    dst_slots_by_tensor: dict[int, list[np.ndarray]] = {}
+    dst_by_group: dict[int, np.ndarray] = {}
     nbytes = 0
     count = 0
     g_off = 0
     c_off = 0
-    arange = np.arange(bpc, dtype=np.int64)
+    arange = np.arange(bpc, dtype=np.int64) if bpc > 1 else None
     for g in range(ng):
         n = int(gs[g])
         if n == 0:
             continue
         g_ids = gpu[g_off : g_off + n]
-        c_ids = cpu[c_off : c_off + int(chunks_per_group[g])]
+        nch = int(chunks_per_group[g])
+        c_ids = cpu[c_off : c_off + nch]
         g_off += n
-        c_off += int(chunks_per_group[g])
+        c_off += nch
         limit = table.max_gpu_block[g]
-        if int(g_ids.min()) < 0 or int(g_ids.max()) >= limit:
-            bad = int(g_ids.min()) if int(g_ids.min()) < 0 else int(g_ids.max())
-            raise InvalidTransferError(f"gpu block id {bad} out of range [0, {limit}) in group {g}")
-        skip = int(skips[g])
-        if bpc == 1:
+        lo, hi = int(g_ids.min()), int(g_ids.max())
+        if lo < 0 or hi >= limit:
+            raise InvalidTransferError(
+                f"gpu block id {lo if lo < 0 else hi} out of range [0, {limit}) in group {g}"
+            )
+        if arange is None:
             h_slots = c_ids
         else:
+            skip = int(skips[g])
             h_slots = (c_ids[:, None] * bpc + arange[None, :]).ravel()[skip : skip + n]
         g_u = g_ids.astype(U64)
         h_u = h_slots.astype(U64)
         src_slots, dst_slots = (g_u, h_u) if gpu_to_cpu else (h_u, g_u)
-        for t in table.dst_tensors_of_group[g]:
-            dst_slots_by_tensor.setdefault(t, []).append(dst_slots)
+        _check_unique(dst_slots, gpu_to_cpu, f"group {g}")
+        dst_by_group[g] = dst_slots
         for rows, nw, wi in table.partitions[g]:
             if nw > 1:
                 keep = (h_u % U64(nw)) == U64(wi)
-                s, d = src_slots[keep], dst_slots[keep]
+                s_, d_ = src_slots[keep], dst_slots[keep]
             else:
-                s, d = src_slots, dst_slots
-            k = len(s)
+                s_, d_ = src_slots, dst_slots
+            k = len(s_)
             if k == 0:
                 continue
-            segments.append(Segment(rows, s, d))
+            segments.append(Segment(rows, s_, d_))
             nbytes += k * int(table.bytes_per_block[rows].sum())
             count += k * int(table.frag_count[rows].sum())
-    for t, parts in dst_slots_by_tensor.items():
-        allslots = parts[0] if len(parts) == 1 else np.concatenate(parts)
-        if len(np.unique(allslots)) != len(allslots):
-            side = "cpu chunk slot" if gpu_to_cpu else "gpu block"
-            vals, counts = np.unique(allslots, return_counts=True)
-            raise InvalidTransferError(
-                f"duplicate destination: {side} {int(vals[counts > 1][0])} of tensor {t} "
-                "is written twice in one transfer"
-            )
+    for t, groups in table.shared_tensors:
+        parts = [dst_by_group[g] for g in groups if g in dst_by_group]
+        if len(parts) > 1:
+            _check_unique(np.concatenate(parts), gpu_to_cpu, f"tensor {t}")
     return TransferPlan(table, segments, nbytes, count)

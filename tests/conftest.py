@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from typing import Any
 
-import numpy as np
 import pytest
+from support import Mem
 
 
 def gpu_available() -> bool:
@@ -47,33 +46,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def backend_case(request: pytest.FixtureRequest) -> tuple[str, str]:
     case: tuple[str, str] = request.param
     return case
-
-
-class Mem:
-    """Makes 'device' arrays for a backend case and reads them back as numpy."""
-
-    def __init__(self, backend: str) -> None:
-        self.backend = backend
-
-    def rand_u8(self, shape: tuple[int, ...], seed: int) -> Any:
-        rng = np.random.default_rng(seed)
-        host = rng.integers(0, 256, size=shape, dtype=np.uint8)
-        if self.backend == "cuda":
-            import torch
-
-            return torch.from_numpy(host).cuda()
-        return host
-
-    def to_numpy(self, x: Any) -> np.ndarray:
-        if isinstance(x, np.ndarray):
-            return x.copy()
-        t = x.detach()
-        if t.is_cuda:
-            import torch
-
-            torch.cuda.synchronize()
-            t = t.cpu()
-        return np.ascontiguousarray(t.numpy()).copy()
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import Mem
+from support import Mem
 
 import kvasync as kv
 from kvasync._descriptors import build_ref_table
@@ -58,7 +58,7 @@ async def test_transfer(
         t = off.store(gpu_ids, chunks, group_sizes=[len(gpu_ids)], block_indices=[bpc - 1])
     else:
         t = off.load(chunks, gpu_ids, group_sizes=[len(gpu_ids)], block_indices=[bpc - 1])
-    assert t.job_id == 0 and not t.direction == ("h2d" if direction == "store" else "d2h")
+    assert t.job_id == 0 and t.direction == ("d2h" if direction == "store" else "h2d")
     r = await t
     wall = time.perf_counter() - t0
     assert r.job_id == 0 and r.success
