@@ -124,8 +124,8 @@ def test_coalesce_merges_only_runs_contiguous_on_both_sides(spec: list[tuple[int
     src, dst, pos_s, pos_d = [], [], 1000, 5000
     sizes = []
     for gap, size in spec:
-        pos_s += gap % 3 == 0 and 0 or gap
-        pos_d += gap % 2 == 0 and 0 or gap
+        pos_s += (gap % 3 == 0 and 0) or gap
+        pos_d += (gap % 2 == 0 and 0) or gap
         src.append(pos_s)
         dst.append(pos_d)
         sizes.append(size)
