@@ -6,6 +6,15 @@ task; a completing transfer appends itself to the resolvers of the loops that aw
 wakes each with a single `call_soon_threadsafe` (coalesced while a wake is pending). The task
 then sets the loop futures, in completion order, on the loop's own thread.
 
+Hybrid polling ("hybrid" mode, the default): a thread wake costs tens of microseconds, far
+more than a small copy takes. So while a transfer some task awaits is predicted to end within
+`SPIN_WINDOW` (the scheduler predicts each transfer's end from its bytes and the measured
+bandwidth), the resolver polls the direction's head event from the loop itself, yielding with
+``sleep(0)`` between polls, and completes the transfer there. Far from the predicted end it
+sleeps on the wake-up from the completion thread (or a timer set just before the predicted
+end); if the prediction was wrong by more than `SPIN_GRACE` it stops polling and waits for
+the thread. "thread" mode never polls.
+
 A closed loop is noticed (`call_soon_threadsafe` raises) and its resolver dropped; the
 transfer itself still completes and `wait()` still works. `close()` stops every resolver once
 it has no awaiters left.
@@ -15,13 +24,19 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ._transfer import Transfer, TransferResult
 
-__all__ = ["CompletionEngine"]
+__all__ = ["SPIN_GRACE", "SPIN_WINDOW", "CompletionEngine"]
+
+#: poll from the loop when an awaited transfer is predicted to end within this many seconds
+SPIN_WINDOW = 1.5e-3
+#: stop polling a transfer this long after its predicted end (then wait for the thread)
+SPIN_GRACE = 2e-3
 
 
 class _LoopResolver:
@@ -37,10 +52,16 @@ class _LoopResolver:
         self._lock = threading.Lock()
         self._wake_pending = False
         self._event = asyncio.Event()
+        self._thread = threading.get_ident()
         self.task = loop.create_task(self._run(), name="kvasync-completion")
 
     # any thread
     def notify(self, transfer: Transfer | None) -> None:
+        if threading.get_ident() == self._thread:  # completed by our own poll: no hop
+            if transfer is not None:
+                self._ready.append(transfer)
+            self._event.set()
+            return
         with self._lock:
             if transfer is not None:
                 self._ready.append(transfer)
@@ -57,10 +78,14 @@ class _LoopResolver:
             self._wake_pending = False
         self._event.set()
 
+    def _queues(self) -> set[Any]:
+        return {t._queue for t in self.waiting if t._queue is not None}
+
     async def _run(self) -> None:
         try:
             while True:
-                await self._event.wait()
+                if not self._ready:
+                    await self._sleep()
                 self._event.clear()
                 self._drain()
                 if self.stopping and not self.waiting:
@@ -68,6 +93,39 @@ class _LoopResolver:
         finally:
             self.dead = True
             self.engine._forget(self)
+
+    async def _sleep(self) -> None:
+        """Wait for the next completion: poll near a predicted end, else sleep."""
+        if not self.engine.poll or not self.waiting:
+            await self._event.wait()
+            return
+        while not self._event.is_set():
+            queues = self._queues()
+            if not queues:
+                break
+            now = time.perf_counter()
+            soonest = None
+            for q in queues:
+                eta = q.head_eta()
+                if eta is None:
+                    continue
+                if now - eta > SPIN_GRACE:  # mispredicted: leave it to the thread
+                    continue
+                soonest = eta if soonest is None else min(soonest, eta)
+            if soonest is None:
+                break
+            if soonest - now > SPIN_WINDOW:
+                try:
+                    await asyncio.wait_for(self._event.wait(), soonest - now - SPIN_WINDOW)
+                except asyncio.TimeoutError:
+                    pass
+                continue
+            for q in queues:
+                q.poll()
+            if self._event.is_set():
+                return
+            await asyncio.sleep(0)
+        await self._event.wait()
 
     def _drain(self) -> None:
         while True:
@@ -87,10 +145,16 @@ class _LoopResolver:
 class CompletionEngine:
     """Hands out loop futures for transfers and owns the per-loop resolver tasks."""
 
-    def __init__(self) -> None:
+    def __init__(self, mode: str = "hybrid") -> None:
+        if mode not in ("hybrid", "thread"):
+            from ._errors import InvalidTransferError
+
+            raise InvalidTransferError(f"completion must be 'hybrid' or 'thread', got {mode!r}")
         self._lock = threading.Lock()
         self._resolvers: dict[asyncio.AbstractEventLoop, _LoopResolver] = {}
         self.closed = False
+        #: poll near predicted ends from the loop ("hybrid") or only wait for the thread
+        self.poll = mode == "hybrid"
 
     def _resolver(self, loop: asyncio.AbstractEventLoop) -> _LoopResolver:
         with self._lock:

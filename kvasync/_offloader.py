@@ -66,6 +66,10 @@ class Offloader:
     submitted; transfers of one direction run and complete in call order, the two
     directions are independent.
 
+    `completion` picks how awaits learn of completions: "hybrid" (default) polls from the
+    event loop near a transfer's predicted end, "thread" only wakes the loop from the
+    completion thread (no polling at all; higher latency).
+
     Use it as ``async with Offloader(...) as off:`` or call `aclose()` / `close()`.
     """
 
@@ -81,6 +85,7 @@ class Offloader:
         host_region: Any | None = None,
         compute_stream: Any | None = None,
         max_streams: int = 4,
+        completion: str = "hybrid",
     ) -> None:
         if not isinstance(layout, KVCacheLayout):
             raise InvalidTransferError(f"layout must be a KVCacheLayout, got {type(layout)}")
@@ -173,7 +178,7 @@ class Offloader:
             "d2h": build_ref_table(layout, gpu_geo, host_geo, True, self.canonical),
             "h2d": build_ref_table(layout, gpu_geo, host_geo, False, self.canonical),
         }
-        self._engine = CompletionEngine()
+        self._engine = CompletionEngine(completion)
         self._queues: dict[Direction, DirectionQueue] = {
             d: DirectionQueue(self.backend, d, self._engine, max_streams) for d in ("d2h", "h2d")
         }

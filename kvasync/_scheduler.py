@@ -22,6 +22,8 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +48,9 @@ class _InFlight:
     start: Event
     end: Event
     order: Event | None
+    submit_error: BaseException | None
+    eta: float
+    finished: bool = False
 
 
 class DirectionQueue:
@@ -70,6 +75,13 @@ class DirectionQueue:
         self._free_order_events: list[Event] = []
         self._last_end: Event | None = None
         self._pending: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        #: in-flight records in submission order; advanced by whoever sees the head done
+        self._fifo: deque[_InFlight] = deque()
+        self._finish_lock = threading.RLock()
+        #: completion-time prediction (used by the loop resolvers to poll only near the end)
+        self.bandwidth = float(getattr(backend, "initial_bandwidth", 10e9))
+        self.latency = float(getattr(backend, "initial_latency", 20e-6))
+        self._tail_eta = 0.0
         self._inflight = 0
         self._idle = threading.Condition(self._lock)
         self._thread: threading.Thread | None = None
@@ -133,7 +145,14 @@ class DirectionQueue:
             self._last_end = end
             self._inflight += 1
             self._ensure_thread()
-            self._pending.put((_InFlight(transfer, plan, stream, start, end, order), error))
+            now = time.perf_counter()
+            eta = max(now, self._tail_eta) + self.latency + plan.nbytes / self.bandwidth
+            self._tail_eta = eta
+            rec = _InFlight(transfer, plan, stream, start, end, order, error, eta)
+            transfer._queue = self
+            transfer._eta = eta
+            self._fifo.append(rec)  # deque appends are atomic; order is set by self._lock
+            self._pending.put(rec)
         return transfer
 
     @property
@@ -150,43 +169,74 @@ class DirectionQueue:
     # -- completion ---------------------------------------------------------------------------
     def _complete_loop(self) -> None:
         while True:
-            item = self._pending.get()
-            if item is _STOP:
+            rec = self._pending.get()
+            if rec is _STOP:
                 return
-            rec, submit_error = item
+            if rec.finished:
+                continue
             rec.end.synchronize()
-            error = submit_error or rec.end.error()
-            with self._lock:
-                if self.failure is not None:  # whatever its own status, it ran behind a failure
-                    behind = TransferFailedError(
-                        f"job {rec.transfer.job_id}: queued behind a failed transfer "
-                        f"({self.failure})",
-                        rec.transfer.job_id,
-                    )
-                    behind.__cause__ = self.failure
-                    error = behind
-                elif error is not None:
-                    self.failure = error
-            result = None
-            if error is None:
-                seconds = rec.start.elapsed_seconds(rec.end)
-                result = TransferResult(rec.transfer.job_id, True, rec.plan.nbytes, seconds)
-            elif not isinstance(error, TransferFailedError):
-                err = TransferFailedError(
-                    f"job {rec.transfer.job_id}: {type(error).__name__}: {error}",
+            self.poll()
+
+    def head_eta(self) -> float | None:
+        """Predicted completion time (perf_counter) of the oldest unfinished transfer."""
+        fifo = self._fifo
+        try:
+            return fifo[0].eta
+        except IndexError:
+            return None
+
+    def poll(self) -> int:
+        """Complete, in order, every head transfer whose end event is done; never blocks.
+
+        Called by the completion thread after each blocking wait and by loop resolvers that
+        poll near a transfer's predicted end, so a result reaches an awaiting task without a
+        thread hop. Returns how many transfers it completed.
+        """
+        done = 0
+        with self._finish_lock:
+            while self._fifo and self._fifo[0].end.query():
+                rec = self._fifo.popleft()
+                rec.finished = True
+                self._finish(rec)
+                done += 1
+        return done
+
+    def _finish(self, rec: _InFlight) -> None:
+        error = rec.submit_error or rec.end.error()
+        with self._lock:
+            if self.failure is not None:  # whatever its own status, it ran behind a failure
+                behind = TransferFailedError(
+                    f"job {rec.transfer.job_id}: queued behind a failed transfer "
+                    f"({self.failure})",
                     rec.transfer.job_id,
                 )
-                err.__cause__ = error
-                error = err
-            elif error.job_id is None:
-                error.job_id = rec.transfer.job_id
-            with self._lock:
-                self._recycle(rec)
-            rec.transfer._complete(result, error)
-            with self._lock:
-                self._inflight -= 1
-                if self._inflight == 0:
-                    self._idle.notify_all()
+                behind.__cause__ = self.failure
+                error = behind
+            elif error is not None:
+                self.failure = error
+        result = None
+        if error is None:
+            seconds = rec.start.elapsed_seconds(rec.end)
+            result = TransferResult(rec.transfer.job_id, True, rec.plan.nbytes, seconds)
+            if rec.plan.nbytes >= 1 << 20 and seconds > 0:  # learn the link's speed
+                self.bandwidth = 0.8 * self.bandwidth + 0.2 * (rec.plan.nbytes / seconds)
+        elif not isinstance(error, TransferFailedError):
+            err = TransferFailedError(
+                f"job {rec.transfer.job_id}: {type(error).__name__}: {error}",
+                rec.transfer.job_id,
+            )
+            err.__cause__ = error
+            error = err
+        elif error.job_id is None:
+            error.job_id = rec.transfer.job_id
+        with self._lock:
+            self._recycle(rec)
+        rec.transfer._complete(result, error)
+        with self._lock:
+            self._inflight -= 1
+            if self._inflight == 0:
+                self._tail_eta = 0.0
+                self._idle.notify_all()
 
     def _recycle(self, rec: _InFlight) -> None:
         if self.failure is not None:

@@ -43,6 +43,8 @@ class Transfer:
         "_cond",
         "_engine",
         "_error",
+        "_eta",
+        "_queue",
         "_resolvers",
         "_result",
         "direction",
@@ -62,6 +64,9 @@ class Transfer:
         self._error: BaseException | None = None
         self._callbacks: list[Callable[[Transfer], object]] = []
         self._resolvers: list[Any] = []
+        #: the DirectionQueue running it and its predicted completion time (perf_counter)
+        self._queue: Any = None
+        self._eta = 0.0
 
     def __repr__(self) -> str:
         state = "pending"
