@@ -20,7 +20,7 @@ from ._errors import (
 )
 from ._layout import CopyRun, KVCacheLayout, KVRef, KVTensor, PageMapping
 from ._offloader import Offloader
-from ._transfer import Transfer, TransferResult
+from ._transfer import LayeredTransfer, Transfer, TransferResult
 
 __version__ = "0.1.0"
 
@@ -32,6 +32,7 @@ __all__ = [
     "KVCacheLayout",
     "KVRef",
     "KVTensor",
+    "LayeredTransfer",
     "Offloader",
     "OffloaderBrokenError",
     "OffloaderClosedError",

@@ -54,6 +54,9 @@ class _LoopResolver:
         self._event = asyncio.Event()
         self._thread = threading.get_ident()
         self.task = loop.create_task(self._run(), name="kvasync-completion")
+        # a loop closed without cancelling its tasks must not warn about ours: it holds no
+        # resources, and the transfers it would have resolved still complete on their own
+        self.task._log_destroy_pending = False  # type: ignore[attr-defined]
 
     # any thread
     def notify(self, transfer: Transfer | None) -> None:

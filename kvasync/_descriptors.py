@@ -439,3 +439,29 @@ def build_plan(
         if len(parts) > 1:
             _check_unique(np.concatenate(parts), gpu_to_cpu, f"tensor {t}")
     return TransferPlan(table, segments, nbytes, count)
+
+
+def split_plan(plan: TransferPlan, layers: Sequence[Sequence[int]]) -> list[TransferPlan]:
+    """Split `plan` into one plan per layer (a layer = a set of tensor indices), in order.
+
+    Used for layer-wise loads: each layer completes (and signals) on its own, so attention
+    on layer i can start while later layers still load.
+    """
+    table = plan.table
+    out: list[TransferPlan] = []
+    for tensors in layers:
+        wanted = np.asarray(sorted(tensors), dtype=np.int64)
+        segs: list[Segment] = []
+        nbytes = 0
+        count = 0
+        for seg in plan.segments:
+            rows = seg.refs[np.isin(table.tensor_idx[seg.refs], wanted)]
+            if len(rows) == 0:
+                continue
+            k = len(seg.src_slots)
+            segs.append(Segment(rows, seg.src_slots, seg.dst_slots))
+            nbytes += k * int(table.bytes_per_block[rows].sum())
+            count += k * int(table.frag_count[rows].sum())
+        out.append(TransferPlan(table, segs, nbytes, count))
+    assert sum(p.nbytes for p in out) == plan.nbytes
+    return out

@@ -22,7 +22,14 @@ import numpy as np
 from ._arrays import array_info
 from ._backends import Backend, Direction, HostMemory, Stream, load_backend
 from ._completion import CompletionEngine
-from ._descriptors import RefTable, SideGeometry, TransferPlan, build_plan, build_ref_table
+from ._descriptors import (
+    RefTable,
+    SideGeometry,
+    TransferPlan,
+    build_plan,
+    build_ref_table,
+    split_plan,
+)
 from ._errors import (
     BackendUnavailableError,
     InvalidTransferError,
@@ -31,7 +38,7 @@ from ._errors import (
 )
 from ._layout import KVCacheLayout
 from ._scheduler import DirectionQueue
-from ._transfer import Transfer
+from ._transfer import LayeredTransfer, Transfer
 
 __all__ = ["Offloader"]
 
@@ -179,10 +186,14 @@ class Offloader:
             "h2d": build_ref_table(layout, gpu_geo, host_geo, False, self.canonical),
         }
         self._engine = CompletionEngine(completion)
-        self._queues: dict[Direction, DirectionQueue] = {
-            d: DirectionQueue(self.backend, d, self._engine, max_streams) for d in ("d2h", "h2d")
+        lanes: list[tuple[Direction, bool]] = [
+            ("d2h", False), ("h2d", False), ("d2h", True), ("h2d", True)
+        ]
+        self._queues: dict[tuple[Direction, bool], DirectionQueue] = {
+            lane: DirectionQueue(self.backend, lane[0], self._engine, max_streams, lane[1])
+            for lane in lanes
         }
-        self._last: dict[Direction, Transfer | None] = {"d2h": None, "h2d": None}
+        self._last: dict[tuple[Direction, bool], Transfer | None] = dict.fromkeys(lanes)
         self._job_ids = itertools.count()
         self._submit_lock = threading.Lock()
         self._closed = False
@@ -218,10 +229,17 @@ class Offloader:
         job_id: int | None = None,
         stream: Any | None = None,
         path: str | None = None,
+        urgent: bool = False,
     ) -> Transfer:
-        """Copy GPU blocks into CPU chunks; returns the submitted Transfer (GPU -> host)."""
+        """Copy GPU blocks into CPU chunks; returns the submitted Transfer (GPU -> host).
+
+        `stream` overrides the compute stream to wait on; `path` the copy path. An `urgent`
+        transfer runs in its direction's urgent lane: it is ordered after earlier urgent
+        transfers (and the compute stream) but not after normal ones, so it is not stuck
+        behind a large normal transfer; normal transfers stay FIFO among themselves.
+        """
         return self._submit("d2h", gpu_blocks, cpu_chunks, group_sizes, block_indices,
-                            job_id, stream, path)
+                            job_id, stream, path, urgent)
 
     def load(
         self,
@@ -233,10 +251,55 @@ class Offloader:
         job_id: int | None = None,
         stream: Any | None = None,
         path: str | None = None,
+        urgent: bool = False,
     ) -> Transfer:
-        """Copy CPU chunks into GPU blocks; returns the submitted Transfer (host -> GPU)."""
+        """Copy CPU chunks into GPU blocks; returns the submitted Transfer (host -> GPU).
+
+        Arguments as for `store`.
+        """
         return self._submit("h2d", gpu_blocks, cpu_chunks, group_sizes, block_indices,
-                            job_id, stream, path)
+                            job_id, stream, path, urgent)
+
+    def load_layerwise(
+        self,
+        cpu_chunks: Ids,
+        gpu_blocks: Ids,
+        group_sizes: Sequence[int] | None = None,
+        block_indices: Sequence[int] | None = None,
+        *,
+        layers: Sequence[Sequence[int]] | None = None,
+        job_id: int | None = None,
+        stream: Any | None = None,
+        path: str | None = None,
+        urgent: bool = False,
+    ) -> LayeredTransfer:
+        """A load split per layer: each layer is awaitable and signals a device event.
+
+        `layers` lists the tensor indices of each layer, in load order (default: one layer per
+        tensor); together they must cover every tensor exactly once. `t.layers[i]` is the
+        Transfer of layer i and `t.wait_layer(i, stream)` makes a compute stream wait (on the
+        device, without blocking the host) until layer i has landed.
+        """
+        n = len(self.layout.tensors)
+        spec = [[i] for i in range(n)] if layers is None else [list(map(int, x)) for x in layers]
+        flat = sorted(i for layer in spec for i in layer)
+        if flat != list(range(n)) or any(not layer for layer in spec):
+            raise InvalidTransferError(
+                f"layers must partition the {n} tensor indices into non-empty groups, "
+                f"got {spec}"
+            )
+        if self._closed:
+            raise OffloaderClosedError("the offloader is closed")
+        plan = build_plan(self._tables["h2d"], gpu_blocks, cpu_chunks, group_sizes,
+                          block_indices, False, self.num_cpu_chunks)
+        parts = split_plan(plan, spec)
+        jid = job_id if job_id is not None else next(self._job_ids)
+        signals = [self.backend.new_event(timing=False) for _ in parts]
+        transfers = [
+            self._enqueue("h2d", part, jid, stream, path, urgent, signal)
+            for part, signal in zip(parts, signals)
+        ]
+        return LayeredTransfer(jid, transfers, signals, self.backend)
 
     def _submit(
         self,
@@ -248,6 +311,7 @@ class Offloader:
         job_id: int | None,
         stream: Any | None,
         path: str | None,
+        urgent: bool = False,
     ) -> Transfer:
         if self._closed:
             raise OffloaderClosedError("the offloader is closed")
@@ -260,7 +324,7 @@ class Offloader:
             direction == "d2h",
             self.num_cpu_chunks,
         )
-        return self._enqueue(direction, plan, job_id, stream, path)
+        return self._enqueue(direction, plan, job_id, stream, path, urgent)
 
     def _enqueue(
         self,
@@ -269,6 +333,8 @@ class Offloader:
         job_id: int | None,
         stream: Any | None,
         path: str | None,
+        urgent: bool = False,
+        signal: Any | None = None,
     ) -> Transfer:
         chosen = self.copy_path if path is None else path
         if chosen != "auto" and chosen not in self.backend.paths:
@@ -285,8 +351,9 @@ class Offloader:
             if self._closed:
                 raise OffloaderClosedError("the offloader is closed")
             jid = next(self._job_ids) if job_id is None else job_id
-            transfer = self._queues[direction].submit(plan, jid, concrete, compute)
-            self._last[direction] = transfer
+            lane = (direction, bool(urgent))
+            transfer = self._queues[lane].submit(plan, jid, concrete, compute, signal)
+            self._last[lane] = transfer
         return transfer
 
     # -- draining and closing ------------------------------------------------------------------
@@ -295,8 +362,7 @@ class Offloader:
 
         Failures are not raised here; they belong to the transfers that failed.
         """
-        for direction in ("d2h", "h2d"):
-            last = self._last[direction]  # type: ignore[index]
+        for last in list(self._last.values()):
             if last is not None:
                 try:
                     await last

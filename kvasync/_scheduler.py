@@ -62,9 +62,12 @@ class DirectionQueue:
         direction: Direction,
         engine: CompletionEngine,
         max_streams: int = 4,
+        urgent: bool = False,
     ) -> None:
         self.backend = backend
         self.direction = direction
+        #: the urgent lane of a direction is a queue of its own (see Offloader.store)
+        self.urgent = urgent
         self.engine = engine
         self._max_streams = max_streams
         self._lock = threading.Lock()
@@ -116,8 +119,13 @@ class DirectionQueue:
         job_id: int,
         path: str,
         compute_stream: Stream | None,
+        signal: Event | None = None,
     ) -> Transfer:
-        """Enqueue `plan` behind everything submitted before in this direction."""
+        """Enqueue `plan` behind everything submitted before in this queue.
+
+        `signal`, if given, is an extra event recorded right after the copy, owned by the
+        caller (never pooled), so a compute stream may wait on it at any later time.
+        """
         transfer = Transfer(job_id, self.direction, plan.nbytes, self.engine)
         with self._lock:
             if self.failure is not None:
@@ -142,6 +150,8 @@ class DirectionQueue:
             except Exception as exc:  # an API error: the copy never got enqueued
                 error = exc
             stream.record(end)
+            if signal is not None:
+                stream.record(signal)
             self._last_end = end
             self._inflight += 1
             self._ensure_thread()
@@ -157,7 +167,8 @@ class DirectionQueue:
 
     @property
     def _name(self) -> str:
-        return "store (d2h)" if self.direction == "d2h" else "load (h2d)"
+        name = "store (d2h)" if self.direction == "d2h" else "load (h2d)"
+        return f"urgent {name}" if self.urgent else name
 
     def _ensure_thread(self) -> None:
         if self._thread is None:

@@ -19,7 +19,7 @@ from ._errors import TransferFailedError
 if TYPE_CHECKING:
     from ._completion import CompletionEngine
 
-__all__ = ["Transfer", "TransferResult"]
+__all__ = ["LayeredTransfer", "Transfer", "TransferResult"]
 
 log = logging.getLogger("kvasync")
 
@@ -166,3 +166,52 @@ def _run_callback(fn: Callable[[Transfer], object], transfer: Transfer) -> None:
         fn(transfer)
     except Exception:
         log.exception("kvasync: done-callback %r of %r raised", fn, transfer)
+
+
+class LayeredTransfer:
+    """A load split per layer (`Offloader.load_layerwise`): one Transfer per layer.
+
+    Awaiting it awaits every layer and returns one TransferResult (bytes and seconds summed).
+    `layers[i]` is layer i's own Transfer; `events[i]` a device event recorded when layer i
+    has landed, kept for the life of this object, that `wait_layer` makes a stream wait on.
+    """
+
+    def __init__(
+        self, job_id: int, layers: list[Transfer], events: list[Any], backend: Any
+    ) -> None:
+        self.job_id = job_id
+        self.layers = layers
+        self.events = events
+        self._backend = backend
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def done(self) -> bool:
+        return all(t.done() for t in self.layers)
+
+    def wait_layer(self, index: int, stream: Any | None = None) -> None:
+        """Make `stream` (default: the compute stream) wait on the device until layer `index`
+        has landed; the host does not block (wraps cudaStreamWaitEvent on CUDA)."""
+        target = self._backend.compute_stream(stream)
+        if target is not None:
+            target.wait_event(self.events[index])
+
+    def _combine(self, results: list[TransferResult]) -> TransferResult:
+        return TransferResult(
+            self.job_id, True, sum(r.bytes for r in results), sum(r.seconds for r in results)
+        )
+
+    def wait(self, timeout: float | None = None) -> TransferResult:
+        """Block until every layer is done (TimeoutError after `timeout` per layer)."""
+        return self._combine([t.wait(timeout) for t in self.layers])
+
+    def __await__(self) -> Generator[Any, None, TransferResult]:
+        results = []
+        for t in self.layers:
+            r = yield from t.__await__()
+            results.append(r)
+        return self._combine(results)
+
+    def __repr__(self) -> str:
+        return f"<LayeredTransfer job_id={self.job_id} {len(self.layers)} layers>"
