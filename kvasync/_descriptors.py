@@ -239,13 +239,15 @@ def _slot_ptrs(
 ) -> np.ndarray:
     """(R, n) matrix of slot pointers for R refs over n slots."""
     if factor == 1:
-        return base[:, None] + slots[None, :] * row_stride[:, None]
+        out: np.ndarray = base[:, None] + slots[None, :] * row_stride[:, None]
+        return out
     f = U64(factor)
-    return (
+    out = (
         base[:, None]
         + (slots // f)[None, :] * row_stride[:, None]
         + (slots % f)[None, :] * sub[:, None]
     )
+    return out
 
 
 def _expand(

@@ -109,7 +109,9 @@ class Transfer:
             return self._outcome()
 
     def add_done_callback(self, fn: Callable[[Transfer], object]) -> None:
-        """Call `fn(transfer)` once done: now if already done, else from the completion thread.
+        """Call `fn(transfer)` once done: now if already done, else from the thread that
+        completes it (the direction's completion thread, or an awaiting loop's thread when it
+        polled the completion itself). Callbacks run in completion order.
 
         An exception raised by `fn` is logged and does not affect the transfer or others.
         """
