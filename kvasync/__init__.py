@@ -16,10 +16,15 @@ from ._errors import (
     KVAsyncError,
     OffloaderBrokenError,
     OffloaderClosedError,
+    RegionOverflowError,
+    SharedRegionError,
+    SharedRegionTimeoutError,
     TransferFailedError,
 )
 from ._layout import CopyRun, KVCacheLayout, KVRef, KVTensor, PageMapping
+from ._mappings import derive_page_mapping, mla_page_mapping, private_page_mapping, verify_tiling
 from ._offloader import Offloader
+from ._region import SharedHostRegion
 from ._transfer import LayeredTransfer, Transfer, TransferResult
 
 __version__ = "0.1.0"
@@ -37,9 +42,17 @@ __all__ = [
     "OffloaderBrokenError",
     "OffloaderClosedError",
     "PageMapping",
+    "RegionOverflowError",
+    "SharedHostRegion",
+    "SharedRegionError",
+    "SharedRegionTimeoutError",
     "Transfer",
     "TransferFailedError",
     "TransferResult",
+    "derive_page_mapping",
+    "mla_page_mapping",
+    "private_page_mapping",
+    "verify_tiling",
 ]
 
 for _name in __all__:

@@ -2,7 +2,10 @@
 
     KVAsyncError
      +-- InvalidTransferError (also ValueError)   bad input; raised by store()/load() before
-     |                                             anything is enqueued, nothing is written
+     |    |                                        anything is enqueued, nothing is written
+     |    +-- RegionOverflowError                 a view does not fit in a shared region row
+     +-- SharedRegionError (also RuntimeError)    creating/joining/mapping a shared region
+     |    +-- SharedRegionTimeoutError (also TimeoutError)
      +-- OffloaderClosedError (also RuntimeError) the offloader was closed
      +-- BackendUnavailableError (also RuntimeError)
      |                                             the backend asked for cannot run here
@@ -22,6 +25,9 @@ __all__ = [
     "KVAsyncError",
     "OffloaderBrokenError",
     "OffloaderClosedError",
+    "RegionOverflowError",
+    "SharedRegionError",
+    "SharedRegionTimeoutError",
     "TransferFailedError",
 ]
 
@@ -52,3 +58,15 @@ class TransferFailedError(KVAsyncError):
 
 class OffloaderBrokenError(TransferFailedError):
     """A direction of the offloader failed earlier; it accepts no new transfers."""
+
+
+class RegionOverflowError(InvalidTransferError):
+    """A view does not fit in what is left of the rank's slot (or of the row)."""
+
+
+class SharedRegionError(KVAsyncError, RuntimeError):
+    """Creating, joining or mapping a shared host region failed."""
+
+
+class SharedRegionTimeoutError(SharedRegionError, TimeoutError):
+    """A joiner waited `timeout` seconds and the backing file never reached its size."""
