@@ -57,6 +57,8 @@ class Row:
     reps: int
     note: str = ""
     samples: list[float] = field(default_factory=list)
+    #: GB/s over device time (TransferResult.seconds / event time): the copy alone
+    gpu_gbps: float = 0.0
 
 
 def parse_size(text: str) -> int:
@@ -113,15 +115,17 @@ class Context:
             self._offloaders[page] = off
         return off
 
-    def ids(self, page: int, nbytes: int | None = None) -> tuple[list[int], list[int]]:
-        """Random distinct GPU block ids and CPU chunk ids moving `nbytes` (default total)."""
+    def ids(self, page: int, nbytes: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Random distinct GPU block ids and CPU chunk ids moving `nbytes` (default total),
+        as int64 arrays (what an engine passes; a Python list costs ~0.3 us per id)."""
         n = self.pool_bytes // page
         k = max(1, (nbytes or self.total) // page)
-        return self.rng.permutation(n)[:k].tolist(), self.rng.permutation(n)[:k].tolist()
+        return self.rng.permutation(n)[:k], self.rng.permutation(n)[:k]
 
     def time_transfer(self, page: int, direction: str, path: str, nbytes: int | None = None,
-                      grid: int | None = None) -> tuple[list[float], int, str]:
-        """Wall seconds of `reps` transfers after one warm-up; bytes; which path ran."""
+                      grid: int | None = None) -> tuple[list[float], int, str, float]:
+        """Wall seconds of `reps` transfers after one warm-up; bytes; which path ran;
+        median device seconds."""
         off = self.offloader(page)
         backend = off.backend
         g, c = self.ids(page, nbytes)
@@ -130,6 +134,7 @@ class Context:
             backend.grid = grid
         before = dict(backend.counts)
         samples: list[float] = []
+        gpu: list[float] = []
         moved = 0
         try:
             for rep in range(self.reps + 1):
@@ -140,10 +145,11 @@ class Context:
                 moved = r.bytes
                 if rep:
                     samples.append(dt)
+                    gpu.append(r.seconds)
         finally:
             backend.grid = old_grid
         ran = [p for p in ("kernel", "dma") if backend.counts[p] > before.get(p, 0)]
-        return samples, moved, "+".join(ran)
+        return samples, moved, "+".join(ran), statistics.median(gpu)
 
     def ceiling(self, direction: str) -> float:
         """GB/s of one contiguous pinned cudaMemcpyAsync of `total` bytes (wall time)."""
@@ -174,13 +180,14 @@ class Context:
 
 
 def _row(ctx: Context, section: str, path: str, direction: str, page: int,
-         samples: list[float], moved: int, note: str = "") -> Row:
+         samples: list[float], moved: int, note: str = "", gpu_seconds: float = 0.0) -> Row:
     sec = statistics.median(samples)
     gbps = moved / sec / 1e9
     ceil = ctx.ceiling(direction)
     return Row(section, path, direction, page, round(gbps, 2), round(ceil, 2),
                round(gbps / ceil, 3), moved, sec, moved // page, len(samples), note,
-               [round(s, 6) for s in samples])
+               [round(s, 6) for s in samples],
+               round(moved / gpu_seconds / 1e9, 2) if gpu_seconds > 0 else 0.0)
 
 
 # -- sections ----------------------------------------------------------------------------------
@@ -195,18 +202,18 @@ def section_bandwidth(ctx: Context) -> list[Row]:
     for page in ctx.args.pages:
         for direction in ("h2d", "d2h"):
             for path in ("kernel", "dma", "auto"):
-                samples, moved, ran = ctx.time_transfer(page, direction, path)
+                samples, moved, ran, gs = ctx.time_transfer(page, direction, path)
                 rows.append(_row(ctx, "bandwidth", path, direction, page, samples, moved,
-                                 f"ran {ran}"))
+                                 f"ran {ran}", gs))
             if direction == "d2h" or page >= VLLM_THRESHOLD:
-                samples, moved, ran = ctx.time_transfer(page, direction, "dma")
+                samples, moved, ran, gs = ctx.time_transfer(page, direction, "dma")
                 note = "DMA"
             else:
-                samples, moved, ran = ctx.time_transfer(page, direction, "kernel",
-                                                        grid=VLLM_CTAS)
+                samples, moved, ran, gs = ctx.time_transfer(page, direction, "kernel",
+                                                            grid=VLLM_CTAS)
                 note = f"{VLLM_CTAS}-CTA kernel"
             rows.append(_row(ctx, "bandwidth", "vllm-policy", direction, page, samples, moved,
-                             note))
+                             note, gs))
     return rows
 
 
@@ -217,15 +224,68 @@ def section_grid(ctx: Context) -> list[Row]:
     for page in (4 * KiB, 64 * KiB):
         for direction in ("h2d", "d2h"):
             for grid in (4, 8, 12, 16, 24, 32, 64, 132):
-                samples, moved, _ = ctx.time_transfer(page, direction, "kernel", nbytes, grid)
+                samples, moved, _, gs = ctx.time_transfer(page, direction, "kernel", nbytes,
+                                                          grid)
                 rows.append(_row(ctx, "grid", f"kernel@{grid}", direction, page, samples,
-                                 moved, f"{grid} CTAs x 512 threads"))
+                                 moved, f"{grid} CTAs x 512 threads", gs))
+    return rows
+
+
+def section_raw(ctx: Context) -> list[Row]:
+    """The copy paths on raw flat descriptors, no Offloader: device-time GB/s (events)
+    and wall GB/s, blocking-sync event vs spinning stream sync; isolates the GPU side."""
+    from kvasync._backends._cuda import CudaEvent, CudaStream
+    from kvasync._descriptors import TransferPlan
+
+    rows: list[Row] = []
+    cp = ctx.cp
+    for page in ctx.args.pages:
+        off = ctx.offloader(page)
+        backend = off.backend
+        host = off.cpu_tensors[0]
+        hbase = int(host.ctypes.data)
+        dbase = int(ctx.pool.data_ptr()) if ctx.torch is not None else int(ctx.pool.data.ptr)
+        g, c = ctx.ids(page)
+        gp = g.astype(np.uint64) * np.uint64(page) + np.uint64(dbase)
+        hp = c.astype(np.uint64) * np.uint64(page) + np.uint64(hbase)
+        sizes = np.full(len(g), page, np.uint64)
+        for direction in ("h2d", "d2h"):
+            src, dst = (hp, gp) if direction == "h2d" else (gp, hp)
+            for path, grid, sync in (("kernel", 16, "event"), ("kernel", 16, "spin"),
+                                     ("kernel", 32, "event"), ("kernel", 64, "event"),
+                                     ("dma", 0, "event"), ("dma", 0, "spin")):
+                stream = backend.new_stream()
+                assert isinstance(stream, CudaStream)
+                a, b = backend.new_event(), backend.new_event()
+                assert isinstance(a, CudaEvent) and isinstance(b, CudaEvent)
+                old = backend.grid
+                backend.grid = grid or old
+                walls, gpus = [], []
+                for rep in range(ctx.reps + 1):
+                    t0 = time.perf_counter()
+                    plan = TransferPlan.raw(None, src, dst, sizes)  # type: ignore[arg-type]
+                    stream.record(a)
+                    backend.enqueue_copy(stream, plan, direction, path)  # type: ignore[arg-type]
+                    stream.record(b)
+                    if sync == "spin":
+                        cp.cuda.runtime.streamSynchronize(stream.ptr)
+                    else:
+                        b.synchronize()
+                    if rep:
+                        walls.append(time.perf_counter() - t0)
+                        gpus.append(a.elapsed_seconds(b))
+                backend.grid = old
+                moved = int(sizes.sum())
+                name = f"raw-{path}" + (f"@{grid}" if grid else "") + f"-{sync}"
+                rows.append(_row(ctx, "raw", name, direction, page, walls, moved,
+                                 "flat descriptors, backend calls", statistics.median(gpus)))
     return rows
 
 
 SECTIONS: dict[str, Callable[[Context], list[Row]]] = {
     "bandwidth": section_bandwidth,
     "grid": section_grid,
+    "raw": section_raw,
 }
 
 
@@ -246,17 +306,25 @@ def table(rows: list[Row]) -> str:
             line = f"{direction:4} {fmt_size(page):>8} " + " ".join(
                 f"{c.gbps:>11.1f}" if c else f"{'-':>11}" for c in cells)
             if auto is not None:
-                line += f" {auto.ceiling_gbps:>8.1f} {auto.ratio:>8.0%}  {auto.note}"
+                line += (f" {auto.ceiling_gbps:>8.1f} {auto.ratio:>8.0%}  {auto.note}"
+                         f" (device {auto.gpu_gbps:.1f})")
             out.append(line)
+    raw = [r for r in rows if r.section == "raw"]
+    if raw:
+        out.append("")
+        out.append("raw flat descriptors, wall GB/s (device-time GB/s):")
+        for r in raw:
+            out.append(f"{r.direction:4} {fmt_size(r.page_bytes):>8} {r.path:24} "
+                       f"{r.gbps:6.1f} ({r.gpu_gbps:.1f})")
     grid = [r for r in rows if r.section == "grid"]
     if grid:
         out.append("")
         out.append("kernel CTA sweep (GB/s):")
         for direction in ("h2d", "d2h"):
             for page in sorted({r.page_bytes for r in grid}):
-                cells = [r for r in grid if r.direction == direction and r.page_bytes == page]
+                sweep = [r for r in grid if r.direction == direction and r.page_bytes == page]
                 out.append(f"{direction:4} {fmt_size(page):>8} " + " ".join(
-                    f"{r.path.split('@')[1]}:{r.gbps:.1f}" for r in cells))
+                    f"{r.path.split('@')[1]}:{r.gbps:.1f}" for r in sweep))
     return "\n".join(out)
 
 
@@ -299,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="page sizes, comma separated (default %(default)s)")
     ap.add_argument("--total-mib", type=int, default=1024, help="MiB per timed transfer")
     ap.add_argument("--reps", type=int, default=3, help="timed repetitions (median)")
-    ap.add_argument("--sections", default="bandwidth,grid",
+    ap.add_argument("--sections", default="bandwidth,grid,raw",
                     help=f"comma separated, of {sorted(SECTIONS)}")
     args = ap.parse_args(argv)
     args.pages = [parse_size(p) for p in args.pages.split(",") if p]
