@@ -227,6 +227,41 @@ class TransferPlan:
             self._coalesced = coalesce(*self.flat())
         return self._coalesced
 
+    def pieces(self, max_slots: int) -> list[TransferPlan]:
+        """Split into plans of at most `max_slots` slots each (segment order kept).
+
+        The scheduler enqueues big transfers piece by piece on one stream, so the device
+        starts on the first piece while the host still prepares the next, and other
+        streams' copies can interleave at piece boundaries. Pieces share `keepalive`.
+        """
+        total = sum(len(seg.src_slots) for seg in self.segments)
+        if total <= max_slots or not self.segments:
+            return [self]
+        table = self.table
+        out: list[TransferPlan] = []
+        cur: list[Segment] = []
+        room = max_slots
+        for seg in self.segments:
+            n = len(seg.src_slots)
+            pos = 0
+            while pos < n:
+                take = min(room, n - pos)
+                cur.append(Segment(seg.refs, seg.src_slots[pos : pos + take],
+                                   seg.dst_slots[pos : pos + take]))
+                pos += take
+                room -= take
+                if room == 0:
+                    out.append(self._piece(table, cur))
+                    cur, room = [], max_slots
+        if cur:
+            out.append(self._piece(table, cur))
+        return out
+
+    def _piece(self, table: RefTable, segs: list[Segment]) -> TransferPlan:
+        nbytes = sum(len(s.src_slots) * int(table.bytes_per_block[s.refs].sum()) for s in segs)
+        count = sum(len(s.src_slots) * int(table.frag_count[s.refs].sum()) for s in segs)
+        return TransferPlan(table, segs, nbytes, count, keepalive=self.keepalive)
+
     @property
     def max_size(self) -> int:
         if self.num_descriptors == 0:
@@ -320,7 +355,9 @@ def _as_ids(x: Any, what: str) -> np.ndarray:
         raise InvalidTransferError(f"{what}: ids must be integers, got dtype {arr.dtype}")
     if arr.dtype == np.uint64 and int(arr.max()) > np.iinfo(np.int64).max:
         raise InvalidTransferError(f"{what}: id {int(arr.max())} out of range")
-    return arr.astype(np.int64, copy=False)
+    # one private copy: the plan may be read after the call returns (host backend), so it
+    # must not alias an array the caller may reuse; later steps take zero-copy views of it
+    return np.array(arr, dtype=np.int64, copy=True)
 
 
 def _check_unique(slots: np.ndarray, gpu_to_cpu: bool, where: str) -> None:
@@ -332,8 +369,19 @@ def _check_unique(slots: np.ndarray, gpu_to_cpu: bool, where: str) -> None:
     if n <= 256:
         if len(set(slots.tolist())) == n:
             return
-    elif len(np.unique(slots)) == n:
-        return
+    else:
+        # np.unique's hash path is ~60x slower than this (NumPy 2); a bitmap is ~3x faster
+        # than a sort when the ids are dense
+        top = int(slots.max()) + 1
+        if top <= 16 * n:
+            seen = np.zeros(top, dtype=np.bool_)
+            seen[slots] = True
+            if np.count_nonzero(seen) == n:
+                return
+        else:
+            ordered = np.sort(slots)
+            if not (ordered[1:] == ordered[:-1]).any():
+                return
     vals, counts = np.unique(slots, return_counts=True)
     side = "cpu chunk slot" if gpu_to_cpu else "gpu block"
     raise InvalidTransferError(
@@ -419,8 +467,8 @@ def build_plan(
         else:
             skip = int(skips[g])
             h_slots = (c_ids[:, None] * bpc + arange[None, :]).ravel()[skip : skip + n]
-        g_u = g_ids.astype(U64)
-        h_u = h_slots.astype(U64)
+        g_u = g_ids.view(U64)  # validated non-negative: the bits are the same
+        h_u = h_slots.view(U64) if h_slots.flags.c_contiguous else h_slots.astype(U64)
         src_slots, dst_slots = (g_u, h_u) if gpu_to_cpu else (h_u, g_u)
         _check_unique(dst_slots, gpu_to_cpu, f"group {g}")
         dst_by_group[g] = dst_slots

@@ -134,20 +134,27 @@ class DirectionQueue:
                     "close the offloader and build a new one",
                     job_id,
                 )
-            stream = self._stream()
-            start, end = self._event(), self._event()
-            order: Event | None = None
-            if compute_stream is not None:
-                order = self._event(timing=False)
-                compute_stream.record(order)
-                stream.wait_event(order)
-            if self._last_end is not None:
-                stream.wait_event(self._last_end)
-            stream.record(start)
+            try:
+                stream = self._stream()
+                start, end = self._event(), self._event()
+                order: Event | None = None
+                if compute_stream is not None:
+                    order = self._event(timing=False)
+                    compute_stream.record(order)
+                    stream.wait_event(order)
+                if self._last_end is not None:
+                    stream.wait_event(self._last_end)
+                stream.record(start)
+            except Exception as exc:  # the device refuses new work (e.g. a dead context)
+                raise OffloaderBrokenError(
+                    f"job {job_id}: the device refused new work: {type(exc).__name__}: {exc}",
+                    job_id,
+                ) from exc
             error: BaseException | None = None
             try:
-                self.backend.enqueue_copy(stream, plan, self.direction, path)
-            except Exception as exc:  # an API error: the copy never got enqueued
+                for piece in plan.pieces(self._piece_slots(plan)):
+                    self.backend.enqueue_copy(stream, piece, self.direction, path)
+            except Exception as exc:  # an API error: the copy never got (fully) enqueued
                 error = exc
             stream.record(end)
             if signal is not None:
@@ -164,6 +171,17 @@ class DirectionQueue:
             self._fifo.append(rec)  # deque appends are atomic; order is set by self._lock
             self._pending.put(rec)
         return transfer
+
+    #: bytes per piece of a big transfer (about 0.6 ms of PCIe time) and the fewest slots
+    PIECE_BYTES = 32 << 20
+    MIN_PIECE_SLOTS = 2048
+
+    def _piece_slots(self, plan: TransferPlan) -> int:
+        slots = sum(len(s.src_slots) for s in plan.segments)
+        if slots == 0 or plan.nbytes <= self.PIECE_BYTES:
+            return max(slots, 1)
+        per_slot = plan.nbytes / slots
+        return max(self.MIN_PIECE_SLOTS, int(self.PIECE_BYTES / per_slot))
 
     @property
     def _name(self) -> str:

@@ -38,7 +38,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         raise pytest.UsageError("KVASYNC_REQUIRE_GPU=1 but no usable GPU (cupy.is_available())")
     skip = pytest.mark.skip(reason="needs a CUDA GPU (cupy.is_available() is False)")
     for item in items:
-        if "gpu" in item.keywords:
+        if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)
 
 

@@ -114,6 +114,12 @@ def test_plan_matches_oracle(s: dict) -> None:  # type: ignore[type-arg]
             assert row < geo.num_rows[t]
             off_in_row = addr - geo.base[t] - row * geo.row_stride[t]
             assert off_in_row + z <= (sub[t] * bpc if geo is host else s["pages"][t])
+    # pieces of any size cover exactly the plan's descriptors (block-major across pieces)
+    k = max(1, len(s["gpu"]) // 3)
+    parts = plan.pieces(k)
+    assert sum(p.nbytes for p in parts) == plan.nbytes
+    assert sorted(d for p in parts for d in zip(*(a.tolist() for a in p.flat()))) == sorted(got)
+    assert all(p.keepalive is plan.keepalive for p in parts)
     # coalescing copies exactly the same bytes
     cs, cd, cz = coalesce(src, dst, sizes)
     assert byte_map(list(zip(cs.tolist(), cd.tolist(), cz.tolist()))) == byte_map(expected)

@@ -207,21 +207,27 @@ async def test_canonical_round_trip_assembles_page_across_ranks(
 ) -> None:
     """Two 'TP2 ranks' scatter their halves into one canonical page; each loads its own."""
     backend, path = backend_case
-    host = np.zeros((4, 2048), dtype=np.uint8)
+    from kvasync._hostmem import alloc_mmap
+
+    _mm, raw, ptr = alloc_mmap(4 * 2048)  # page-aligned, so the CUDA backend can pin it
+    host = raw[: 4 * 2048].reshape(4, 2048)
 
     class OneRegion:  # the minimal region protocol the Offloader reads
-        is_pinned = True
+        is_pinned = False
+        _unregister = None
 
         def create_next_canonical_view(self, page: int) -> np.ndarray:
             assert page == 2048
             return host
 
-        def pin(self, *a: object) -> None:
-            pass
+        def pin(self, register, unregister) -> None:  # type: ignore[no-untyped-def]
+            if not self.is_pinned and register(ptr, 4 * 2048):
+                self.is_pinned, self._unregister = True, unregister
 
         def close(self) -> None:
             pass
 
+    region = OneRegion()
     ranks = []
     for r in range(2):
         mapping = kv.PageMapping(
@@ -231,7 +237,7 @@ async def test_canonical_round_trip_assembles_page_across_ranks(
         gpu = mem.rand_u8((4, 1024), seed=300 + r)
         layout = kv.KVCacheLayout([kv.KVTensor(gpu)], [[kv.KVRef(0, mapping=mapping)]])
         off = kv.Offloader(layout, 4, 1, backend=backend, copy_path=path, canonical=True,
-                           host_region=OneRegion())
+                           host_region=region)
         ranks.append((gpu, mapping, off))
     for gpu, _, off in ranks:
         await off.store([0, 1, 2, 3], [0, 1, 2, 3])
@@ -248,6 +254,8 @@ async def test_canonical_round_trip_assembles_page_across_ranks(
     np.testing.assert_array_equal(mem.to_numpy(gpu0), before[::-1])
     for _, _, off in ranks:
         await off.aclose()
+    if region._unregister is not None:
+        region._unregister(ptr)
 
 
 # -- the vLLM facade ---------------------------------------------------------------------------
