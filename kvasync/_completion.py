@@ -60,7 +60,8 @@ class _LoopResolver:
 
     # any thread
     def notify(self, transfer: Transfer | None) -> None:
-        if threading.get_ident() == self._thread:  # completed by our own poll: no hop
+        if threading.get_ident() == self._thread and self.loop.is_running():
+            # completed by our own poll (or an await on this loop): no thread hop
             if transfer is not None:
                 self._ready.append(transfer)
             self._event.set()
@@ -187,6 +188,8 @@ class CompletionEngine:
             if not waiters:
                 resolver.waiting.pop(transfer, None)
             return None
+        if self.poll:
+            resolver.notify(None)  # an idle resolver re-evaluates: start polling if near
         return fut
 
     @property

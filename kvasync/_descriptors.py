@@ -339,6 +339,9 @@ def coalesce(
     return src[starts].copy(), dst[starts].copy(), np.add.reduceat(sizes, starts).astype(U64)
 
 
+_INT64_MAX = int(np.iinfo(np.int64).max)
+
+
 def _as_ids(x: Any, what: str) -> np.ndarray:
     """A 1-D int64 array of ids; rejects floats, bools, non-1-D and non-integer input."""
     try:
@@ -351,9 +354,10 @@ def _as_ids(x: Any, what: str) -> np.ndarray:
         arr = arr.reshape(0)
     if arr.size == 0:
         return np.zeros(0, dtype=np.int64)
-    if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+    kind = arr.dtype.kind
+    if kind not in "iu":  # 'b' (bool), 'f', 'U', 'O', ... are refused
         raise InvalidTransferError(f"{what}: ids must be integers, got dtype {arr.dtype}")
-    if arr.dtype == np.uint64 and int(arr.max()) > np.iinfo(np.int64).max:
+    if kind == "u" and arr.dtype.itemsize == 8 and int(arr.max()) > _INT64_MAX:
         raise InvalidTransferError(f"{what}: id {int(arr.max())} out of range")
     # one private copy: the plan may be read after the call returns (host backend), so it
     # must not alias an array the caller may reuse; later steps take zero-copy views of it

@@ -347,13 +347,18 @@ class Offloader:
             stream if stream is not None else self._compute_override
         )
         concrete = self.backend.resolve_path(chosen, direction, plan, self.host_pinned)
-        with self._submit_lock:
-            if self._closed:
-                raise OffloaderClosedError("the offloader is closed")
-            jid = next(self._job_ids) if job_id is None else job_id
-            lane = (direction, bool(urgent))
-            transfer = self._queues[lane].submit(plan, jid, concrete, compute, signal)
-            self._last[lane] = transfer
+        if self._closed:
+            raise OffloaderClosedError("the offloader is closed")
+        # only the job id is drawn under the offloader-wide lock; ordering within a lane is
+        # the lane's own lock, so a big store never holds up a load's submission
+        if job_id is None:
+            with self._submit_lock:
+                jid = next(self._job_ids)
+        else:
+            jid = job_id
+        lane = (direction, bool(urgent))
+        transfer = self._queues[lane].submit(plan, jid, concrete, compute, signal)
+        self._last[lane] = transfer
         return transfer
 
     # -- draining and closing ------------------------------------------------------------------

@@ -30,7 +30,7 @@ from typing import Any
 from ._backends import Backend, Direction, Event, Stream
 from ._completion import CompletionEngine
 from ._descriptors import TransferPlan
-from ._errors import OffloaderBrokenError, TransferFailedError
+from ._errors import OffloaderBrokenError, OffloaderClosedError, TransferFailedError
 from ._transfer import Transfer, TransferResult
 
 __all__ = ["DirectionQueue"]
@@ -128,6 +128,8 @@ class DirectionQueue:
         """
         transfer = Transfer(job_id, self.direction, plan.nbytes, self.engine)
         with self._lock:
+            if self.closed:
+                raise OffloaderClosedError("the offloader is closed")
             if self.failure is not None:
                 raise OffloaderBrokenError(
                     f"the {self._name} direction failed earlier ({self.failure}); "
@@ -295,7 +297,9 @@ class DirectionQueue:
         if self.closed:
             return
         self.drain(timeout)
-        self.closed = True
+        with self._lock:
+            self.closed = True  # from here on submit() raises; drain what slipped in before
+        self.drain(timeout)
         thread, self._thread = self._thread, None
         if thread is not None:
             self._pending.put(_STOP)

@@ -13,8 +13,11 @@ Output: a table on stdout, and under ``--out``: ``bench.json`` (a list of rows, 
 ``ceiling_gbps``, ``ratio``...), ``calibration.json`` (what ``auto`` measured) and
 ``bench.png`` (needs matplotlib; skipped without it).
 
-Sections are functions registered in `SECTIONS` (``bandwidth``, ``grid``); later ones
-(latency, interference with compute, overlap of both directions) plug in the same way.
+Sections are functions registered in `SECTIONS` (``bandwidth``, ``grid``, ``raw``); the
+serving sections of `_bench_serving` (``latency``, ``hostcost``, ``smallrate``, ``overlap``,
+``interference``, ``priority``, ``layerwise``) plug in the same way and add a summary table,
+``latency_cdf.png`` and ``interference.png``. ``--from-json bench.json`` redraws the tables
+and plots of an earlier run without a GPU.
 """
 
 from __future__ import annotations
@@ -24,12 +27,15 @@ import json
 import statistics
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from ._bench_serving import SERVING_SECTIONS, plot_serving, serving_summary
 
 __all__ = ["SECTIONS", "Context", "Row", "main"]
 
@@ -59,6 +65,17 @@ class Row:
     samples: list[float] = field(default_factory=list)
     #: GB/s over device time (TransferResult.seconds / event time): the copy alone
     gpu_gbps: float = 0.0
+    #: latency percentiles (microseconds), where the section measures latency
+    p50_us: float = 0.0
+    p99_us: float = 0.0
+    #: CPU time / wall time of the process while waiting (1.0 = one core busy)
+    cpu_frac: float = 0.0
+    #: TFLOP/s of a concurrent matmul (interference section)
+    tflops: float = 0.0
+    #: events per second (transfers/s)
+    rate: float = 0.0
+    #: anything else a section reports (JSON-serialisable)
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def parse_size(text: str) -> int:
@@ -97,8 +114,34 @@ class Context:
             self.torch = None
             self.pool = cupy.random.randint(0, 256, self.pool_bytes, dtype=cupy.uint8)
         self._offloaders: dict[int, Any] = {}
+        self._extra_offloaders: list[Any] = []
         self.ceilings: dict[str, float] = {}
         self.rng = np.random.default_rng(0)
+        #: progress callback of the running section (`main` installs a stderr indicator)
+        self.progress: Callable[[str], None] = lambda msg: None
+
+    @property
+    def pool_ptr(self) -> int:
+        """Device address of the GPU pool."""
+        return int(self.pool.data_ptr()) if self.torch is not None else int(self.pool.data.ptr)
+
+    def make_offloader(self, tensors: list[Any], num_cpu_chunks: int, **kwargs: Any) -> Any:
+        """An Offloader over `tensors` (one group; CUDA unless `backend=` says otherwise),
+        closed with the context."""
+        import kvasync as kv
+
+        kwargs.setdefault("backend", "cuda")
+        off = kv.Offloader(kv.KVCacheLayout.from_tensors(tensors), num_cpu_chunks, **kwargs)
+        self._extra_offloaders.append(off)
+        return off
+
+    def row(self, section: str, path: str, direction: str = "", page_bytes: int = 0,
+            **fields: Any) -> Row:
+        """A Row with the bandwidth fields defaulted (for sections that report other things)."""
+        base: dict[str, Any] = {"gbps": 0.0, "ceiling_gbps": 0.0, "ratio": 0.0, "bytes": 0,
+                                "seconds": 0.0, "blocks": 0, "reps": 0}
+        base.update(fields)
+        return Row(section, path, direction, page_bytes, **base)
 
     def offloader(self, page: int) -> Any:
         """An Offloader over the pool viewed as blocks of `page` bytes (cached per page)."""
@@ -174,9 +217,10 @@ class Context:
         return gbps
 
     def close(self) -> None:
-        for off in self._offloaders.values():
+        for off in [*self._offloaders.values(), *self._extra_offloaders]:
             off.close()
         self._offloaders.clear()
+        self._extra_offloaders.clear()
 
 
 def _row(ctx: Context, section: str, path: str, direction: str, page: int,
@@ -286,12 +330,29 @@ SECTIONS: dict[str, Callable[[Context], list[Row]]] = {
     "bandwidth": section_bandwidth,
     "grid": section_grid,
     "raw": section_raw,
+    **SERVING_SECTIONS,
 }
 
 
 # -- output ------------------------------------------------------------------------------------
 def table(rows: list[Row]) -> str:
-    """The bandwidth section as one line per (direction, page): GB/s per path."""
+    """The bandwidth section as one line per (direction, page): GB/s per path; then the
+    other sections, then the serving summary."""
+    out: list[str] = []
+    if any(r.section in ("bandwidth", "raw", "grid") for r in rows):
+        out += _bandwidth_table(rows)
+    serving = serving_summary(rows)
+    if serving:
+        if out:
+            out.append("")
+        out.append(serving)
+    errors = [r for r in rows if r.path == "error"]
+    for r in errors:
+        out.append(f"ERROR in section {r.section}: {r.note}")
+    return "\n".join(out)
+
+
+def _bandwidth_table(rows: list[Row]) -> list[str]:
     out = []
     paths = ["kernel", "dma", "auto", "vllm-policy"]
     head = f"{'dir':4} {'page':>8} " + " ".join(f"{p:>11}" for p in paths)
@@ -325,11 +386,12 @@ def table(rows: list[Row]) -> str:
                 sweep = [r for r in grid if r.direction == direction and r.page_bytes == page]
                 out.append(f"{direction:4} {fmt_size(page):>8} " + " ".join(
                     f"{r.path.split('@')[1]}:{r.gbps:.1f}" for r in sweep))
-    return "\n".join(out)
+    return out
 
 
 def plot(rows: list[Row], path: Path) -> bool:
-    """bench.png: GB/s vs page size per direction and path; False without matplotlib."""
+    """bench.png (GB/s vs page size per direction and path, if the bandwidth section ran)
+    and the serving plots beside it; False without matplotlib."""
     try:
         import matplotlib
 
@@ -337,6 +399,9 @@ def plot(rows: list[Row], path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
+    plot_serving(rows, path.parent)
+    if not any(r.section == "bandwidth" for r in rows):
+        return True
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
     bw = [r for r in rows if r.section == "bandwidth"]
     for ax, direction in zip(axes, ("h2d", "d2h")):
@@ -356,7 +421,56 @@ def plot(rows: list[Row], path: Path) -> bool:
     axes[0].legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
     return True
+
+
+class Progress:
+    """A one-line progress indicator on stderr: section i/n, its name, the current step."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.names = names
+        self.index = 0
+        self.t0 = time.perf_counter()
+        self.tty = sys.stderr.isatty()
+
+    def start(self, index: int) -> None:
+        self.index = index
+        self.step("start")
+
+    def step(self, msg: str) -> None:
+        n = len(self.names)
+        done = int(20 * self.index / max(n, 1))
+        bar = "#" * done + "." * (20 - done)
+        line = (f"[{bar}] {self.index + 1}/{n} {self.names[self.index]}: {msg} "
+                f"({time.perf_counter() - self.t0:.0f} s)")
+        if self.tty:
+            print("\r\033[K" + line, end="", file=sys.stderr, flush=True)
+        else:
+            print(line, file=sys.stderr, flush=True)
+
+    def finish(self, seconds: float) -> None:
+        name = self.names[self.index]
+        end = "\n" if self.tty else ""
+        print(f"{end}[section {name}: {seconds:.1f} s]", file=sys.stderr, flush=True)
+
+
+def _write(out: Path, rows: list[Row]) -> None:
+    text = table(rows)
+    (out / "bench.txt").write_text(text + "\n")
+    (out / "bench.json").write_text(json.dumps([asdict(r) for r in rows], indent=1))
+
+
+def _replot(src: Path, out: Path) -> int:
+    """Tables and plots from an earlier run's bench.json (no GPU needed)."""
+    known = {f.name for f in Row.__dataclass_fields__.values()}
+    rows = [Row(**{k: v for k, v in d.items() if k in known})
+            for d in json.loads(src.read_text())]
+    print(table(rows))
+    out.mkdir(parents=True, exist_ok=True)
+    if not plot(rows, out / "bench.png"):
+        print("(matplotlib missing: no plot)", file=sys.stderr)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -369,7 +483,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=3, help="timed repetitions (median)")
     ap.add_argument("--sections", default="bandwidth,grid,raw",
                     help=f"comma separated, of {sorted(SECTIONS)}")
+    ap.add_argument("--from-json", default=None, metavar="BENCH_JSON",
+                    help="redraw table and plots of an earlier run into --out (no GPU)")
     args = ap.parse_args(argv)
+    if args.from_json:
+        return _replot(Path(args.from_json), Path(args.out))
     args.pages = [parse_size(p) for p in args.pages.split(",") if p]
     names = [s for s in args.sections.split(",") if s]
     for s in names:
@@ -386,16 +504,23 @@ def main(argv: list[str] | None = None) -> int:
 
         cal = CudaBackend(0).calibration()
         (out / "calibration.json").write_text(json.dumps(cal.as_dict(), indent=1))
-        for name in names:
+        progress = Progress(names)
+        ctx.progress = progress.step
+        for i, name in enumerate(names):
             ts = time.perf_counter()
-            rows += SECTIONS[name](ctx)
-            print(f"[section {name}: {time.perf_counter() - ts:.1f} s]", file=sys.stderr)
+            progress.start(i)
+            try:
+                rows += SECTIONS[name](ctx)
+            except Exception as exc:  # keep the other sections' results
+                traceback.print_exc()
+                rows.append(ctx.row(name, "error", note=f"{type(exc).__name__}: {exc}"))
+            progress.finish(time.perf_counter() - ts)
+            _write(out, rows)  # partial results survive a later crash or timeout
     finally:
         ctx.close()
     text = table(rows)
     print(text)
-    (out / "bench.txt").write_text(text + "\n")
-    (out / "bench.json").write_text(json.dumps([asdict(r) for r in rows], indent=1))
+    _write(out, rows)
     if not plot(rows, out / "bench.png"):
         print("(matplotlib missing: no plot)", file=sys.stderr)
     print(f"[total {time.perf_counter() - t0:.1f} s; calibration {cal.seconds:.2f} s, "
