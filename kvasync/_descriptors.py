@@ -79,6 +79,8 @@ class RefTable:
     bytes_per_block: np.ndarray  # int64 [R]: sum of the ref's fragment sizes
     #: per group: list of (ref rows, num_writers, writer_index) partitions
     partitions: list[list[tuple[np.ndarray, int, int]]]
+    #: per group, per partition: (bytes per block, fragments per block) over its refs
+    partition_totals: list[list[tuple[int, int]]]
     #: refs whose only fragment is offset 0 on both sides (whole-page copies)
     simple: np.ndarray  # bool [R]
     num_groups: int
@@ -173,6 +175,11 @@ def build_ref_table(
         frag_size=np.asarray(fz, dtype=U64),
         bytes_per_block=np.asarray(per_block, dtype=np.int64),
         partitions=partitions,
+        partition_totals=[
+            [(int(np.asarray(per_block, dtype=np.int64)[rows].sum()), int(fcount[rows].sum()))
+             for rows, _, _ in parts]
+            for parts in partitions
+        ],
         simple=simple,
         num_groups=len(layout.groups),
         shared_tensors=[(t, gs) for t, gs in groups_of_tensor.items() if len(gs) > 1],
@@ -218,8 +225,15 @@ class TransferPlan:
     def flat(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(src pointers, dst pointers, sizes) as contiguous uint64 arrays (cached)."""
         if self._flat is None:
-            self._flat = _expand(self.table, self.segments, self.num_descriptors)
+            if self.num_descriptors <= _SMALL and self._all_simple():
+                self._flat = _expand_small(self.table, self.segments, self.num_descriptors)
+            else:
+                self._flat = _expand(self.table, self.segments, self.num_descriptors)
         return self._flat
+
+    def _all_simple(self) -> bool:
+        simple = self.table.simple
+        return all(bool(simple[r]) for seg in self.segments for r in seg.refs.tolist())
 
     def coalesced(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """`flat()` with neighbours that are contiguous on both sides merged (cached)."""
@@ -283,6 +297,30 @@ def _slot_ptrs(
         + (slots % f)[None, :] * sub[:, None]
     )
     return out
+
+
+def _expand_small(
+    table: RefTable, segments: Sequence[Segment], count: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`_expand` in plain Python ints for a few whole-page descriptors (same order)."""
+    sf, df = table.src.factor, table.dst.factor
+    out_s: list[int] = []
+    out_d: list[int] = []
+    out_z: list[int] = []
+    for seg in segments:
+        ss, ds = seg.src_slots.tolist(), seg.dst_slots.tolist()
+        for r in seg.refs.tolist():
+            sb, srs, ssub = (int(table.src_base[r]), int(table.src_row_stride[r]),
+                             int(table.src_sub_stride[r]))
+            db, drs, dsub = (int(table.dst_base[r]), int(table.dst_row_stride[r]),
+                             int(table.dst_sub_stride[r]))
+            size = int(table.frag_size[int(table.frag_start[r])])
+            for a, b in zip(ss, ds):
+                out_s.append(sb + (a // sf) * srs + (a % sf) * ssub)
+                out_d.append(db + (b // df) * drs + (b % df) * dsub)
+                out_z.append(size)
+    assert len(out_z) == count
+    return (np.array(out_s, dtype=U64), np.array(out_d, dtype=U64), np.array(out_z, dtype=U64))
 
 
 def _expand(
@@ -394,6 +432,58 @@ def _check_unique(slots: np.ndarray, gpu_to_cpu: bool, where: str) -> None:
     )
 
 
+_SMALL = 32
+
+
+def _build_small(
+    table: RefTable,
+    gpu_blocks: Any,
+    cpu_chunks: Any,
+    group_sizes: Sequence[int] | None,
+    block_indices: Sequence[int] | None,
+    gpu_to_cpu: bool,
+    num_cpu_chunks: int,
+) -> TransferPlan | None:
+    """The common small request (one group, one chunk per block, a short list of Python
+    ints, no writer rotation) validated in plain Python: numpy's per-call overhead is most
+    of a small transfer's host cost. Returns None to take the general path (which also
+    produces every error message)."""
+    if (
+        table.num_groups != 1
+        or group_sizes is not None
+        or block_indices is not None
+        or table.dst.factor != 1
+        or table.src.factor != 1
+        or type(gpu_blocks) is not list
+        or type(cpu_chunks) is not list
+        or not 0 < len(gpu_blocks) <= _SMALL
+        or len(gpu_blocks) != len(cpu_chunks)
+        or len(table.partitions[0]) != 1
+        or table.partitions[0][0][1] != 1
+    ):
+        return None
+    for x in gpu_blocks:
+        if type(x) is not int:
+            return None
+    for x in cpu_chunks:
+        if type(x) is not int:
+            return None
+    if min(gpu_blocks) < 0 or max(gpu_blocks) >= table.max_gpu_block[0]:
+        return None
+    if min(cpu_chunks) < 0 or max(cpu_chunks) >= num_cpu_chunks:
+        return None
+    dst = cpu_chunks if gpu_to_cpu else gpu_blocks
+    if len(set(dst)) != len(dst):
+        return None
+    rows = table.partitions[0][0][0]
+    g = np.array(gpu_blocks, dtype=U64)
+    c = np.array(cpu_chunks, dtype=U64)
+    src_slots, dst_slots = (g, c) if gpu_to_cpu else (c, g)
+    k = len(g)
+    per_block, frags = table.partition_totals[0][0]
+    return TransferPlan(table, [Segment(rows, src_slots, dst_slots)], k * per_block, k * frags)
+
+
 def build_plan(
     table: RefTable,
     gpu_blocks: Any,
@@ -404,6 +494,10 @@ def build_plan(
     num_cpu_chunks: int,
 ) -> TransferPlan:
     """Validate one request and build its plan; raises InvalidTransferError, writes nothing."""
+    fast = _build_small(table, gpu_blocks, cpu_chunks, group_sizes, block_indices, gpu_to_cpu,
+                        num_cpu_chunks)
+    if fast is not None:
+        return fast
     gpu = _as_ids(gpu_blocks, "gpu_blocks")
     cpu = _as_ids(cpu_chunks, "cpu_chunks")
     ng = table.num_groups

@@ -77,6 +77,7 @@ class DirectionQueue:
         self._free_events: list[Event] = []
         self._free_order_events: list[Event] = []
         self._last_end: Event | None = None
+        self._last_stream: Stream | None = None
         self._pending: queue.SimpleQueue[Any] = queue.SimpleQueue()
         #: in-flight records in submission order; advanced by whoever sees the head done
         self._fifo: deque[_InFlight] = deque()
@@ -144,8 +145,8 @@ class DirectionQueue:
                     order = self._event(timing=False)
                     compute_stream.record(order)
                     stream.wait_event(order)
-                if self._last_end is not None:
-                    stream.wait_event(self._last_end)
+                if self._last_end is not None and stream is not self._last_stream:
+                    stream.wait_event(self._last_end)  # same stream: already in order
                 stream.record(start)
             except Exception as exc:  # the device refuses new work (e.g. a dead context)
                 raise OffloaderBrokenError(
@@ -162,6 +163,7 @@ class DirectionQueue:
             if signal is not None:
                 stream.record(signal)
             self._last_end = end
+            self._last_stream = stream
             self._inflight += 1
             self._ensure_thread()
             now = time.perf_counter()
@@ -274,6 +276,7 @@ class DirectionQueue:
             return  # events carrying a failure are not reused
         if rec.end is self._last_end:
             self._last_end = None  # completed: the next transfer need not wait on it
+            self._last_stream = None
         if rec.stream not in self._free_streams:
             self._free_streams.append(rec.stream)
         self._free_events.append(rec.end)

@@ -160,3 +160,37 @@ def test_64_bit_pointer_math_with_int32_ids_and_large_strides() -> None:
     src, dst, _ = plan.flat()
     assert int(src[0]) == (1 << 44) + 70000 * stride
     assert int(dst[0]) == (1 << 45) + 70000 * stride
+
+
+@given(
+    st.integers(1, 3),
+    st.lists(st.integers(-2, 40), min_size=0, max_size=40),
+    st.lists(st.integers(-2, 40), min_size=0, max_size=40),
+    st.booleans(),
+)
+@settings(max_examples=300, deadline=None)
+def test_small_fast_path_equals_general_path(
+    n_t: int, gpu_ids: list[int], cpu_ids: list[int], store: bool
+) -> None:
+    """Short Python lists take a plain-Python path; it must agree with the numpy one,
+    including which requests are refused."""
+    from kvasync._errors import InvalidTransferError
+
+    tensors = [KVTensor(np.zeros((32, 8 + t), np.uint8)) for t in range(n_t)]
+    layout = KVCacheLayout(tensors)
+    gpu = SideGeometry([BIG * (t + 1) for t in range(n_t)], [8 + t + 4 for t in range(n_t)],
+                       [0] * n_t, [32] * n_t, 1)
+    host = SideGeometry([BIG * (t + 9) for t in range(n_t)], [8 + t for t in range(n_t)],
+                        [8 + t for t in range(n_t)], [36] * n_t, 1)
+    table = build_ref_table(layout, gpu, host, store, False)
+
+    def run(a: object, b: object) -> object:
+        try:
+            p = build_plan(table, a, b, None, None, store, 36)
+        except InvalidTransferError as exc:
+            return type(exc)
+        return [x.tolist() for x in p.flat()], p.nbytes, p.num_descriptors
+
+    fast = run(list(gpu_ids), list(cpu_ids))
+    general = run(np.asarray(gpu_ids, dtype=np.int64), np.asarray(cpu_ids, dtype=np.int64))
+    assert fast == general
