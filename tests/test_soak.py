@@ -14,6 +14,7 @@ import time
 
 import numpy as np
 import pytest
+from support import Mem
 
 import kvasync as kv
 
@@ -26,18 +27,27 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def test_soak_random_transfers_match_the_oracle() -> None:
+@pytest.mark.parametrize(
+    "backend_path",
+    [pytest.param(("host", "auto", 1.0), id="host"),
+     pytest.param(("cuda", "auto", 0.25), id="cuda-auto", marks=pytest.mark.gpu),
+     pytest.param(("cuda", "dma", 0.15), id="cuda-dma", marks=pytest.mark.gpu)],
+)
+def test_soak_random_transfers_match_the_oracle(backend_path: tuple[str, str, float]) -> None:
+    backend, path, share = backend_path
+    mem = Mem(backend)
+    time_limit = TIME_LIMIT * share
     rng = np.random.default_rng(1234)
     bpc, blocks, chunks = 3, 512, 400
     pages = [48, 64, 40, 32]
-    gpu = [rng.integers(0, 256, (blocks, p), dtype=np.uint8) for p in pages]
+    gpu = [mem.rand_u8((blocks, p), seed=i) for i, p in enumerate(pages)]
     groups = [[kv.KVRef(0), kv.KVRef(1)], [kv.KVRef(2), kv.KVRef(3, page_size_bytes=24)]]
     layout = kv.KVCacheLayout([kv.KVTensor(t) for t in gpu], groups)
-    off = kv.Offloader(layout, chunks, bpc, backend="host")
+    off = kv.Offloader(layout, chunks, bpc, backend=backend, copy_path=path)
     cpu = off.cpu_tensors
     for c in cpu:
         c[:] = rng.integers(0, 256, c.shape, dtype=np.uint8)
-    m_gpu = [g.copy() for g in gpu]
+    m_gpu = [mem.to_numpy(g) for g in gpu]
     m_cpu = [c.copy().reshape(chunks * bpc, -1) for c in cpu]
     ref_page = [[48, 64], [40, 24]]
     pending: dict[str, list[tuple[kv.Transfer, set[int], set[int]]]] = {"d2h": [], "h2d": []}
@@ -50,13 +60,14 @@ def test_soak_random_transfers_match_the_oracle() -> None:
             t.wait(30)
         pending[d] = []
 
-    rss0 = 0
+    rss0 = pinned0 = 0
     done = 0
     t_start = time.perf_counter()
     transfers_bytes = 0
-    while done < N_OPS and time.perf_counter() - t_start < TIME_LIMIT:
+    while done < N_OPS and time.perf_counter() - t_start < time_limit:
         if done == 2000:
             rss0 = _rss_bytes()
+            pinned0 = off._resources()["host_bytes"] if off.host_pinned else 0
         store = bool(rng.integers(0, 2))
         gsizes, bidx, g_ids, c_ids = [], [], [], []
         per_group = []
@@ -106,20 +117,24 @@ def test_soak_random_transfers_match_the_oracle() -> None:
             drain("d2h")
             drain("h2d")
             for i in range(4):
-                np.testing.assert_array_equal(gpu[i], m_gpu[i], f"gpu tensor {i} after {done}")
+                np.testing.assert_array_equal(mem.to_numpy(gpu[i]), m_gpu[i],
+                                              f"gpu tensor {i} after {done}")
                 np.testing.assert_array_equal(cpu[i].reshape(chunks * bpc, -1), m_cpu[i])
     drain("d2h")
     drain("h2d")
     elapsed = time.perf_counter() - t_start
     for i in range(4):
-        np.testing.assert_array_equal(gpu[i], m_gpu[i], f"gpu tensor {i}")
+        np.testing.assert_array_equal(mem.to_numpy(gpu[i]), m_gpu[i], f"gpu tensor {i}")
         np.testing.assert_array_equal(cpu[i].reshape(chunks * bpc, -1), m_cpu[i], f"cpu {i}")
     rss1 = _rss_bytes()
-    print(f"\nsoak: {done} transfers ({transfers_bytes / 1e6:.1f} MB) in {elapsed:.1f} s, "
-          f"0 mismatches; RSS {rss0 / 2**20:.1f} -> {rss1 / 2**20:.1f} MiB")
-    assert done >= min(N_OPS, 20000), f"only {done} transfers in {TIME_LIMIT} s"
+    pinned1 = off._resources()["host_bytes"] if off.host_pinned else 0
+    print(f"\nsoak[{backend}/{path}]: {done} transfers ({transfers_bytes / 1e6:.1f} MB) in {elapsed:.1f} s, "
+          f"0 mismatches; RSS {rss0 / 2**20:.1f} -> {rss1 / 2**20:.1f} MiB; "
+          f"pinned {pinned0 / 2**20:.2f} -> {pinned1 / 2**20:.2f} MiB")
+    assert pinned1 == pinned0
+    assert done >= min(N_OPS, 5000), f"only {done} transfers in {time_limit} s"
     assert rss1 - rss0 < 64 * 2**20, "memory grew during the soak"
-    assert off.backend.name == "host"
+    assert off.backend.name == backend
     off.close()
     assert off._resources()["completion_threads"] == 0
 
