@@ -154,7 +154,13 @@ class Offloader:
             pinned_all = True
             try:
                 for page in pages:
-                    mem = self.backend.alloc_host(self.num_cpu_chunks * page, page)
+                    try:
+                        mem = self.backend.alloc_host(self.num_cpu_chunks * page, page)
+                    except OSError as exc:
+                        raise InvalidTransferError(
+                            f"cannot allocate {self.num_cpu_chunks * page} B of host memory "
+                            f"for num_cpu_chunks={self.num_cpu_chunks}: {exc}"
+                        ) from exc
                     self._host_mem.append(mem)
                     pinned_all &= mem.pinned
                     views.append(mem.array[: self.num_cpu_chunks * page].reshape(-1, page))
@@ -281,8 +287,14 @@ class Offloader:
         device, without blocking the host) until layer i has landed.
         """
         n = len(self.layout.tensors)
-        spec = [[i] for i in range(n)] if layers is None else [list(map(int, x)) for x in layers]
-        flat = sorted(i for layer in spec for i in layer)
+        try:
+            spec = [[i] for i in range(n)] if layers is None else [
+                [int(i) for i in x] if all(type(i) is int for i in x) else [None]  # type: ignore[misc]
+                for x in layers
+            ]
+        except TypeError:
+            spec = [[None]]  # type: ignore[list-item]
+        flat = sorted((i for layer in spec for i in layer), key=lambda v: (v is None, v or 0))
         if flat != list(range(n)) or any(not layer for layer in spec):
             raise InvalidTransferError(
                 f"layers must partition the {n} tensor indices into non-empty groups, "
@@ -290,6 +302,11 @@ class Offloader:
             )
         if self._closed:
             raise OffloaderClosedError("the offloader is closed")
+        chosen = self.copy_path if path is None else path
+        if chosen != "auto" and chosen not in self.backend.paths:
+            raise InvalidTransferError(
+                f"path {chosen!r} is not one of {('auto', *self.backend.paths)}"
+            )
         plan = build_plan(self._tables["h2d"], gpu_blocks, cpu_chunks, group_sizes,
                           block_indices, False, self.num_cpu_chunks)
         parts = split_plan(plan, spec)

@@ -180,3 +180,36 @@ async def test_injected_fault_on_host_backend() -> None:
         await t
     assert isinstance(t.exception(), kv.TransferFailedError)
     await off.aclose()
+
+
+def test_facade_refuses_non_integer_ids_and_reused_job_ids() -> None:
+    from kvasync.compat.vllm import CPULoadStoreSpec, CPUOffloadingWorker, GPULoadStoreSpec
+
+    for bad in ([0.5], [True], ["3"]):
+        with pytest.raises(kv.InvalidTransferError, match="integers"):
+            GPULoadStoreSpec(bad)
+        with pytest.raises(kv.InvalidTransferError, match="integers"):
+            CPULoadStoreSpec(bad)
+    assert GPULoadStoreSpec([2**40]).block_ids.tolist() == [2**40]  # no int32 overflow
+    worker = CPUOffloadingWorker([np.zeros((8, 64), np.uint8)], 1, 8)
+    worker.submit_store(1, GPULoadStoreSpec([0]), CPULoadStoreSpec([0]))
+    with pytest.raises(kv.InvalidTransferError, match="already in flight"):
+        worker.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]))
+    worker.shutdown()
+
+
+def test_layerwise_bad_types_and_path() -> None:
+    gpu, off = _setup()
+    for bad in ([["a"], [1]], [0, 1]):
+        with pytest.raises(kv.InvalidTransferError, match="partition"):
+            off.load_layerwise([0], [0], layers=bad)  # type: ignore[arg-type]
+    with pytest.raises(kv.InvalidTransferError, match="path"):
+        off.load_layerwise([0], [0], path="warp")
+    assert off.store([0], [0]).wait(5).job_id == 0  # nothing used a job id
+    off.close()
+
+
+def test_huge_host_allocation_is_a_clear_error() -> None:
+    layout = kv.KVCacheLayout.from_tensors([np.zeros((4, 1 << 20), np.uint8)])
+    with pytest.raises(kv.InvalidTransferError, match="host memory"):
+        kv.Offloader(layout, 1 << 40)

@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from .._descriptors import _as_ids
 from .._errors import InvalidTransferError, TransferFailedError
 from .._layout import CopyRun, KVCacheLayout, KVRef, KVTensor, PageMapping
 from .._offloader import Offloader
@@ -43,10 +44,9 @@ class TransferResult(NamedTuple):
 
 class _BlockIDs:
     def __init__(self, block_ids: Iterable[int]) -> None:
-        self.block_ids = np.asarray(list(block_ids) if not isinstance(block_ids, np.ndarray)
-                                    else block_ids, dtype=np.int32)
-        if self.block_ids.ndim != 1:
-            raise InvalidTransferError("block_ids must be 1-D")
+        ids = block_ids if isinstance(block_ids, np.ndarray) else list(block_ids)
+        # integers only (floats, bools and strings are refused, never truncated), 64-bit
+        self.block_ids = _as_ids(ids, "block_ids")
 
 
 class CPULoadStoreSpec(_BlockIDs):
@@ -154,6 +154,7 @@ class CPUOffloadingWorker:
         self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: CPULoadStoreSpec
     ) -> bool:
         """Asynchronous GPU -> CPU copy of `src_spec`'s blocks into `dst_spec`'s chunks."""
+        self._check_new(job_id)
         t = self.offloader.store(
             src_spec.block_ids, dst_spec.block_ids, src_spec.group_sizes,
             src_spec.block_indices, job_id=job_id,
@@ -164,11 +165,16 @@ class CPUOffloadingWorker:
         self, job_id: int, src_spec: CPULoadStoreSpec, dst_spec: GPULoadStoreSpec
     ) -> bool:
         """Asynchronous CPU -> GPU copy of `src_spec`'s chunks into `dst_spec`'s blocks."""
+        self._check_new(job_id)
         t = self.offloader.load(
             src_spec.block_ids, dst_spec.block_ids, dst_spec.group_sizes,
             dst_spec.block_indices, job_id=job_id,
         )
         return self._track(t)
+
+    def _check_new(self, job_id: int) -> None:
+        if job_id in self._by_id:
+            raise InvalidTransferError(f"job_id {job_id} is already in flight")
 
     def _track(self, t: Transfer) -> bool:
         self._queues[t.direction].append(t)
