@@ -112,7 +112,8 @@ def rank_main(name: str, case: str, role: str, tp: int, rank: int, blocks: int, 
         refs = [[kv.KVRef(0, mapping=mapping if canonical else None)]]
         layout = kv.KVCacheLayout([kv.KVTensor(gpu)], refs)
         off = kv.Offloader(layout, num_cpu_chunks=blocks, blocks_per_chunk=1, backend=backend,
-                           canonical=canonical, host_region=region)
+                           canonical=canonical, host_region=region,
+                           copy_path=os.environ.get("KVASYNC_COPY_PATH", "auto"))
         ids = list(range(blocks))
 
         async def run() -> tuple[int, float, bool, int, int]:

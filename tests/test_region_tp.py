@@ -188,3 +188,17 @@ def test_example_runs_and_verifies() -> None:
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "all round trips exact" in proc.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", ["kernel", "dma"])
+def test_example_on_the_gpu_shares_one_pinned_region(path: str) -> None:
+    """Real rank processes on one GPU, one pinned shared region, both copy paths."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "tensor_parallel.py"), "--quick",
+         "--backend", "cuda"],
+        capture_output=True, text=True, timeout=240, cwd=ROOT,
+        env={**__import__("os").environ, "KVASYNC_COPY_PATH": path},
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "all round trips exact" in proc.stdout
