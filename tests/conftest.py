@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 from support import Mem
@@ -51,3 +51,17 @@ def backend_case(request: pytest.FixtureRequest) -> tuple[str, str]:
 @pytest.fixture
 def mem(backend_case: tuple[str, str]) -> Iterator[Mem]:
     yield Mem(backend_case[0])
+
+
+@pytest.fixture
+def names() -> Iterator[Callable[[], str]]:
+    """Unique shared-region names for one test; whatever they left in /dev/shm is removed."""
+    import uuid
+
+    import region_procs as procs
+
+    tag = f"t{uuid.uuid4().hex[:12]}"
+    count = iter(range(1000))
+    yield lambda: f"{tag}-{next(count)}"
+    for f in procs.shm_leftovers(tag):
+        os.unlink(os.path.join("/dev/shm", f))

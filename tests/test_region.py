@@ -10,8 +10,7 @@ import os
 import signal
 import threading
 import time
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -31,14 +30,6 @@ PAGE = mmap.PAGESIZE
 Names = Callable[[], str]
 
 
-@pytest.fixture
-def names() -> Iterator[Names]:
-    """Unique region names for one test; whatever they left in /dev/shm is removed after."""
-    tag = f"t{uuid.uuid4().hex[:12]}"
-    count = iter(range(1000))
-    yield lambda: f"{tag}-{next(count)}"
-    for f in procs.shm_leftovers(tag):
-        os.unlink(os.path.join("/dev/shm", f))
 
 
 def path_of(name: str) -> str:

@@ -12,8 +12,7 @@ import mmap
 import os
 import subprocess
 import sys
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,13 +30,6 @@ ROOT = Path(__file__).resolve().parents[1]
 Names = Callable[[], str]
 
 
-@pytest.fixture
-def names() -> Iterator[Names]:
-    tag = f"t{uuid.uuid4().hex[:12]}"
-    count = iter(range(1000))
-    yield lambda: f"{tag}-{next(count)}"
-    for f in procs.shm_leftovers(tag):
-        os.unlink(os.path.join("/dev/shm", f))
 
 
 def run_ranks(name: str, kind: str, writers: int, readers: int,
