@@ -19,7 +19,7 @@ from support import Mem
 import kvasync as kv
 
 N_OPS = int(os.environ.get("KVASYNC_SOAK_OPS", "200000"))
-TIME_LIMIT = float(os.environ.get("KVASYNC_SOAK_SECONDS", "60"))
+TIME_LIMIT = float(os.environ.get("KVASYNC_SOAK_SECONDS", "100"))
 
 
 def _rss_bytes() -> int:
