@@ -302,11 +302,7 @@ class Offloader:
             )
         if self._closed:
             raise OffloaderClosedError("the offloader is closed")
-        chosen = self.copy_path if path is None else path
-        if chosen != "auto" and chosen not in self.backend.paths:
-            raise InvalidTransferError(
-                f"path {chosen!r} is not one of {('auto', *self.backend.paths)}"
-            )
+        self._path(path)
         plan = build_plan(self._tables["h2d"], gpu_blocks, cpu_chunks, group_sizes,
                           block_indices, False, self.num_cpu_chunks)
         parts = split_plan(plan, spec)
@@ -317,6 +313,15 @@ class Offloader:
             for part, signal in zip(parts, signals)
         ]
         return LayeredTransfer(jid, transfers, signals, self.backend)
+
+    def _path(self, path: str | None) -> str:
+        """The copy path a call asked for (default: the offloader's), validated."""
+        chosen = self.copy_path if path is None else path
+        if chosen != "auto" and chosen not in self.backend.paths:
+            raise InvalidTransferError(
+                f"path {chosen!r} is not one of {('auto', *self.backend.paths)}"
+            )
+        return chosen
 
     def _submit(
         self,
@@ -353,11 +358,7 @@ class Offloader:
         urgent: bool = False,
         signal: Any | None = None,
     ) -> Transfer:
-        chosen = self.copy_path if path is None else path
-        if chosen != "auto" and chosen not in self.backend.paths:
-            raise InvalidTransferError(
-                f"path {chosen!r} is not one of {('auto', *self.backend.paths)}"
-            )
+        chosen = self._path(path)
         if job_id is not None and (isinstance(job_id, bool) or not isinstance(job_id, int)):
             raise InvalidTransferError(f"job_id must be an int, got {job_id!r}")
         compute: Stream | None = self.backend.compute_stream(
