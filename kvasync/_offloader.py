@@ -199,7 +199,6 @@ class Offloader:
             lane: DirectionQueue(self.backend, lane[0], self._engine, max_streams, lane[1])
             for lane in lanes
         }
-        self._last: dict[tuple[Direction, bool], Transfer | None] = dict.fromkeys(lanes)
         self._job_ids = itertools.count()
         self._submit_lock = threading.Lock()
         self._closed = False
@@ -376,7 +375,6 @@ class Offloader:
             jid = job_id
         lane = (direction, bool(urgent))
         transfer = self._queues[lane].submit(plan, jid, concrete, compute, signal)
-        self._last[lane] = transfer
         return transfer
 
     # -- draining and closing ------------------------------------------------------------------
@@ -385,7 +383,7 @@ class Offloader:
 
         Failures are not raised here; they belong to the transfers that failed.
         """
-        for last in list(self._last.values()):
+        for last in [q.last_transfer for q in self._queues.values()]:
             if last is not None:
                 try:
                     await last

@@ -78,6 +78,7 @@ class DirectionQueue:
         self._free_order_events: list[Event] = []
         self._last_end: Event | None = None
         self._last_stream: Stream | None = None
+        self.last_transfer: Transfer | None = None
         self._pending: queue.SimpleQueue[Any] = queue.SimpleQueue()
         #: in-flight records in submission order; advanced by whoever sees the head done
         self._fifo: deque[_InFlight] = deque()
@@ -164,6 +165,7 @@ class DirectionQueue:
                 stream.record(signal)
             self._last_end = end
             self._last_stream = stream
+            self.last_transfer = transfer  # set under the lock: the newest, for drain()
             self._inflight += 1
             self._ensure_thread()
             now = time.perf_counter()

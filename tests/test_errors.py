@@ -60,7 +60,7 @@ def test_bad_input_raises_before_anything_is_enqueued(name: str, call: Call, mat
     cpu_before = [c.copy() for c in off.cpu_tensors]
     with pytest.raises(kv.InvalidTransferError, match=match):
         call(off)
-    assert off._resources()["inflight"] == 0 and all(v is None for v in off._last.values())
+    assert off._resources()["inflight"] == 0 and all(q.last_transfer is None for q in off._queues.values())
     # the next good transfer gets job id 0: nothing was enqueued
     assert off.store([0], [0]).wait(5).job_id == 0
     for i, before in enumerate(cpu_before):  # only chunk 0 (the good store) changed
