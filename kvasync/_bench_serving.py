@@ -58,7 +58,8 @@ def _us(samples: list[float]) -> tuple[float, float]:
     return round(_pct(samples, 50) * 1e6, 2), round(_pct(samples, 99) * 1e6, 2)
 
 
-def _fmt(n: int) -> str:
+def fmt_size(n: int) -> str:
+    """Bytes as a short label: '4 KiB', '2 MiB', '100 B'."""
     if n >= MiB and n % MiB == 0:
         return f"{n // MiB} MiB"
     if n >= KiB and n % KiB == 0:
@@ -324,7 +325,7 @@ def _latency_cpu(ctx: Context) -> list[Row]:
     g, c = rng.permutation(n), rng.permutation(n)
     for completion, woken in (("hybrid", False), ("thread", False), ("hybrid", True)):
         name = f"kvasync-{completion}" + ("+wakefix" if woken else "")
-        ctx.progress(f"CPU while awaiting {_fmt(nbytes)}, {name}")
+        ctx.progress(f"CPU while awaiting {fmt_size(nbytes)}, {name}")
         off = ctx.make_offloader([view], n, completion=completion)
 
         async def run(off: Any = off, woken: bool = woken) -> tuple[float, float]:
@@ -337,13 +338,14 @@ def _latency_cpu(ctx: Context) -> list[Row]:
         rows.append(ctx.row("latency-cpu", name, "h2d", page,
                             cpu_frac=round(frac, 4), seconds=wall, bytes=n * page, blocks=n,
                             reps=5, gbps=round(n * page / wall / 1e9, 2),
-                            note=f"await off.load() of {_fmt(n * page)} in {_fmt(page)} pages"))
+                            note=f"await off.load() of {fmt_size(n * page)} in "
+                                 f"{fmt_size(page)} pages"))
         off.close()
     # reference methods on one contiguous copy of the same bytes
     host = ctx.offloader(page).cpu_tensors[0]
     raw = _RawCopy(cp, ctx.pool_ptr, int(host.ctypes.data), nbytes)
     for method, label in _RAW_METHODS:
-        ctx.progress(f"CPU while awaiting {_fmt(nbytes)}, ref {method}")
+        ctx.progress(f"CPU while awaiting {fmt_size(nbytes)}, ref {method}")
         fn = getattr(raw, method)
         frac, wall = asyncio.run(_cpu_share(fn, 3, 1))
         rows.append(ctx.row("latency-cpu", f"ref-{method}", "h2d", nbytes,
@@ -474,7 +476,7 @@ def section_smallrate(ctx: Context) -> list[Row]:
     ids = rng.permutation(n)[: tasks * per].reshape(tasks, per, 1).astype(np.int64)
     for direction, path in (("h2d", "auto"), ("h2d", "kernel"), ("h2d", "dma"),
                             ("d2h", "auto")):
-        ctx.progress(f"{tasks} tasks x awaited {_fmt(page)} {direction}, path {path}")
+        ctx.progress(f"{tasks} tasks x awaited {fmt_size(page)} {direction}, path {path}")
         asyncio.run(_task_rate(off, direction, path, tasks, 0.2, ids))  # warm-up
         before = dict(off.backend.counts)
         count, wall = asyncio.run(_task_rate(off, direction, path, tasks, seconds, ids))
@@ -545,7 +547,7 @@ def section_overlap(ctx: Context) -> list[Row]:
         for sp, lp in (("auto", "auto"), ("kernel", "kernel"), ("dma", "dma"),
                        ("dma", "kernel"), ("kernel", "dma")):
             for threads in (1, 2):
-                ctx.progress(f"store {sp} + load {lp}, {_fmt(page)} pages, {threads} thread(s)")
+                ctx.progress(f"store {sp} + load {lp}, {fmt_size(page)} pages, {threads} thread(s)")
                 walls, dev_s, dev_l = [], [], []
                 moved = 0
                 for rep in range(reps + 1):
@@ -788,7 +790,7 @@ def section_interference(ctx: Context) -> list[Row]:
                 if direction == "d2h":
                     cases.append(("staged-proto", "staged", 0))
                 for name, path, grid in cases:
-                    ctx.progress(f"{_fmt(page)} {direction} {name}")
+                    ctx.progress(f"{fmt_size(page)} {direction} {name}")
                     off = hi_off if name.endswith("-hiprio") else base_off
                     old_grid = off.backend.grid
                     if grid:
@@ -865,7 +867,7 @@ def section_priority(ctx: Context) -> list[Row]:
     reps = 10
     for path in ("dma", "kernel"):
         for urgent in (False, True):
-            ctx.progress(f"4 KiB behind {_fmt(big_bytes)}, path {path}, urgent={urgent}")
+            ctx.progress(f"4 KiB behind {fmt_size(big_bytes)}, path {path}, urgent={urgent}")
             lat, bigs = [], []
             for rep in range(reps + 2):
                 j = k + 1 + rep % max(1, n - k - 1)
@@ -879,9 +881,10 @@ def section_priority(ctx: Context) -> list[Row]:
                                 p99_us=round(max(lat) * 1e6, 2), reps=reps, bytes=page,
                                 samples=[round(x, 7) for x in lat],
                                 seconds=statistics.median(bigs),
-                                note=f"urgent={urgent}; big load {_fmt(big_bytes)} in "
-                                     f"{_fmt(page)} pages took {statistics.median(bigs)*1e3:.1f}"
-                                     " ms", extra={"urgent": urgent, "big_bytes": big_bytes}))
+                                note=f"urgent={urgent}; big load {fmt_size(big_bytes)} in "
+                                     f"{fmt_size(page)} pages took "
+                                     f"{statistics.median(bigs)*1e3:.1f} ms",
+                                extra={"urgent": urgent, "big_bytes": big_bytes}))
     return rows
 
 
@@ -1041,7 +1044,7 @@ def serving_summary(rows: list[Row]) -> str:
             ok)
     for r in (r for r in mine if r.section == "latency-cpu"):
         ours = r.path in ("kvasync-hybrid", "kvasync-thread")
-        add(f"CPU awaiting {_fmt(r.bytes)} {r.path}",
+        add(f"CPU awaiting {fmt_size(r.bytes)} {r.path}",
             f"{r.cpu_frac:.1%} of a core ({r.seconds * 1e3:.1f} ms)", "", "",
             f"<={CPU_MAX:.0%}" if ours else "", (r.cpu_frac <= CPU_MAX) if ours else None)
     hc = sorted((r for r in mine if r.section == "hostcost"), key=lambda r: (r.path, r.blocks))
@@ -1076,7 +1079,7 @@ def serving_summary(rows: list[Row]) -> str:
             continue
         name = r.path + (" (= vLLM policy)" if r.extra.get("vllm_policy") else "")
         ok = r.ratio >= OVERLAP_MIN if r.path == "auto/auto" else None
-        add(f"store+load {_fmt(r.page_bytes)} {name}", f"{r.gbps:.1f} GB/s",
+        add(f"store+load {fmt_size(r.page_bytes)} {name}", f"{r.gbps:.1f} GB/s",
             f"ceiling {r.ceiling_gbps:.1f}; device st {r.extra.get('store_device_gbps', 0):.1f}"
             f" ld {r.extra.get('load_device_gbps', 0):.1f}", f"{r.ratio:.0%}",
             f">={OVERLAP_MIN:.0%}" if ok is not None else "", ok)
@@ -1087,7 +1090,7 @@ def serving_summary(rows: list[Row]) -> str:
             continue
         tr = r.extra.get("tflops_ratio", 0.0)
         ok = (tr >= MM_KEEP and r.ratio >= LINK_KEEP) if r.path == "auto" else None
-        add(f"interf. {_fmt(r.page_bytes)} {r.direction} {r.path}",
+        add(f"interf. {fmt_size(r.page_bytes)} {r.direction} {r.path}",
             f"{r.tflops:.0f} TFLOP/s, {r.gbps:.1f} GB/s", f"link {r.ceiling_gbps:.1f}",
             f"mm {tr:.0%} link {r.ratio:.0%}",
             f"mm>={MM_KEEP:.0%} & link>={LINK_KEEP:.0%}" if ok is not None else "", ok)
@@ -1099,7 +1102,7 @@ def serving_summary(rows: list[Row]) -> str:
     for r in prio:
         urgent = bool(r.extra.get("urgent"))
         ok = (r.p50_us / 1e3 < URGENT_MS and r.p99_us / 1e3 < URGENT_MS) if urgent else None
-        add(f"4 KiB behind {_fmt(r.extra.get('big_bytes', 0))} {r.path} urgent={urgent}",
+        add(f"4 KiB behind {fmt_size(r.extra.get('big_bytes', 0))} {r.path} urgent={urgent}",
             f"p50 {r.p50_us / 1e3:.3f} max {r.p99_us / 1e3:.3f} ms",
             f"big load {r.seconds * 1e3:.1f} ms", "",
             f"<{URGENT_MS:g} ms" if urgent else "", ok)
@@ -1135,7 +1138,7 @@ def _best_tradeoffs(inter: list[Row]) -> dict[str, Row]:
     for r in inter:
         if r.path == "alone":
             continue
-        key = f"{_fmt(r.page_bytes)} {r.direction}"
+        key = f"{fmt_size(r.page_bytes)} {r.direction}"
         cur = best.get(key)
 
         def score(x: Row) -> tuple[int, float]:
@@ -1199,7 +1202,7 @@ def plot_serving(rows: list[Row], out: Path) -> list[Path]:
                 ax.axhline(statistics.mean(alone), color="k", ls=":", lw=1, label="alone")
                 ax.axhline(MM_KEEP * statistics.mean(alone), color="r", ls=":", lw=1,
                            label=f"{MM_KEEP:.0%} of alone")
-            ax.set_title(f"{_fmt(page)} {direction}")
+            ax.set_title(f"{fmt_size(page)} {direction}")
             ax.set_xticks(x, names, rotation=45, ha="right", fontsize=8)
             ax.grid(alpha=0.3, axis="y")
             ax2 = axes[1][j]

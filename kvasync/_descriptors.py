@@ -276,11 +276,6 @@ class TransferPlan:
         count = sum(len(s.src_slots) * int(table.frag_count[s.refs].sum()) for s in segs)
         return TransferPlan(table, segs, nbytes, count, keepalive=self.keepalive)
 
-    @property
-    def max_size(self) -> int:
-        if self.num_descriptors == 0:
-            return 0
-        return int(self.flat()[2].max())
 
 
 def _slot_ptrs(

@@ -92,7 +92,6 @@ class DirectionQueue:
         self._thread: threading.Thread | None = None
         self.failure: BaseException | None = None
         self.closed = False
-        self.events_created = 0
 
     # -- pools (called under the lock) --------------------------------------------------------
     def _stream(self) -> Stream:
@@ -111,7 +110,6 @@ class DirectionQueue:
         pool = self._free_events if timing else self._free_order_events
         if pool:
             return pool.pop()
-        self.events_created += 1
         return self.backend.new_event(timing=timing)
 
     # -- submission ---------------------------------------------------------------------------

@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from ._bench_serving import SERVING_SECTIONS, plot_serving, serving_summary
+from ._bench_serving import SERVING_SECTIONS, fmt_size, plot_serving, serving_summary
 
 __all__ = ["SECTIONS", "Context", "Row", "main"]
 
@@ -83,14 +83,6 @@ def parse_size(text: str) -> int:
     t = text.strip().upper().removesuffix("B").removesuffix("I")
     mult = {"K": KiB, "M": MiB, "G": 1024 * MiB}.get(t[-1:], 1)
     return int(float(t[:-1] if t[-1:] in "KMG" else t) * mult)
-
-
-def fmt_size(n: int) -> str:
-    if n >= MiB and n % MiB == 0:
-        return f"{n // MiB} MiB"
-    if n >= KiB and n % KiB == 0:
-        return f"{n // KiB} KiB"
-    return f"{n} B"
 
 
 class Context:
