@@ -88,6 +88,14 @@ class RefTable:
     shared_tensors: list[tuple[int, list[int]]]
     max_gpu_block: list[int] = field(default_factory=list)
 
+    @property
+    def all_simple(self) -> bool:
+        """Every ref is a whole-page copy (cached: asked on every small transfer)."""
+        hit = self.__dict__.get("_all_simple")
+        if hit is None:
+            hit = self.__dict__["_all_simple"] = bool(self.simple.all())
+        return bool(hit)
+
 
 def build_ref_table(
     layout: KVCacheLayout,
@@ -226,12 +234,34 @@ class TransferPlan:
         """(src pointers, dst pointers, sizes) as contiguous uint64 arrays (cached)."""
         if self._flat is None:
             if self.num_descriptors <= _SMALL and self._all_simple():
-                self._flat = _expand_small(self.table, self.segments, self.num_descriptors)
+                s, d, z = _expand_small(self.table, self.segments, self.num_descriptors)
+                self._flat = (np.array(s, dtype=U64), np.array(d, dtype=U64),
+                              np.array(z, dtype=U64))
             else:
                 self._flat = _expand(self.table, self.segments, self.num_descriptors)
         return self._flat
 
+    def runs(self) -> list[tuple[int, int, int]] | None:
+        """`coalesced()` as (src, dst, size) Python ints for a plan of at most `_SMALL`
+        whole-page descriptors, else None: a small DMA transfer then costs no NumPy call."""
+        if (self._flat is not None or not self.segments or self.num_descriptors > _SMALL
+                or not self._all_simple()):
+            return None
+        s, d, z = _expand_small(self.table, self.segments, self.num_descriptors)
+        out: list[tuple[int, int, int]] = []
+        cs, cd, cz = s[0], d[0], z[0]
+        for a, b, n in zip(s[1:], d[1:], z[1:]):
+            if a == cs + cz and b == cd + cz:
+                cz += n
+                continue
+            out.append((cs, cd, cz))
+            cs, cd, cz = a, b, n
+        out.append((cs, cd, cz))
+        return out
+
     def _all_simple(self) -> bool:
+        if self.table.all_simple:
+            return True
         simple = self.table.simple
         return all(bool(simple[r]) for seg in self.segments for r in seg.refs.tolist())
 
@@ -296,7 +326,7 @@ def _slot_ptrs(
 
 def _expand_small(
     table: RefTable, segments: Sequence[Segment], count: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+) -> tuple[list[int], list[int], list[int]]:
     """`_expand` in plain Python ints for a few whole-page descriptors (same order)."""
     sf, df = table.src.factor, table.dst.factor
     out_s: list[int] = []
@@ -315,7 +345,7 @@ def _expand_small(
                 out_d.append(db + (b // df) * drs + (b % df) * dsub)
                 out_z.append(size)
     assert len(out_z) == count
-    return (np.array(out_s, dtype=U64), np.array(out_d, dtype=U64), np.array(out_z, dtype=U64))
+    return out_s, out_d, out_z
 
 
 def _expand(
@@ -427,7 +457,29 @@ def _check_unique(slots: np.ndarray, gpu_to_cpu: bool, where: str) -> None:
     )
 
 
+#: plans of at most this many descriptors are expanded in plain Python ints
 _SMALL = 32
+#: requests of at most this many ids are validated in plain Python (numpy's per-call
+#: overhead is most of a small transfer's host cost)
+_SMALL_IDS = 256
+
+
+def _small_ids(x: Any) -> list[int] | None:
+    """`x` as a list of Python ints if it is a short list of ints or a short 1-D integer
+    array; None for anything else (the general path validates it and words the error)."""
+    if type(x) is list:
+        if not 0 < len(x) <= _SMALL_IDS:
+            return None
+        for v in x:
+            if type(v) is not int:
+                return None
+        return x
+    if type(x) is np.ndarray:
+        if x.ndim != 1 or not 0 < x.size <= _SMALL_IDS or x.dtype.kind not in "iu":
+            return None
+        out: list[int] = x.tolist()
+        return out
+    return None
 
 
 def _build_small(
@@ -439,41 +491,37 @@ def _build_small(
     gpu_to_cpu: bool,
     num_cpu_chunks: int,
 ) -> TransferPlan | None:
-    """The common small request (one group, one chunk per block, a short list of Python
-    ints, no writer rotation) validated in plain Python: numpy's per-call overhead is most
-    of a small transfer's host cost. Returns None to take the general path (which also
-    produces every error message)."""
+    """The common request (one group, one chunk per block, up to `_SMALL_IDS` ids as a list
+    or an integer array, no writer rotation) validated in plain Python. Returns None to take
+    the general path (which also produces every error message)."""
     if (
         table.num_groups != 1
         or group_sizes is not None
         or block_indices is not None
         or table.dst.factor != 1
         or table.src.factor != 1
-        or type(gpu_blocks) is not list
-        or type(cpu_chunks) is not list
-        or not 0 < len(gpu_blocks) <= _SMALL
-        or len(gpu_blocks) != len(cpu_chunks)
         or len(table.partitions[0]) != 1
         or table.partitions[0][0][1] != 1
     ):
         return None
-    for x in gpu_blocks:
-        if type(x) is not int:
-            return None
-    for x in cpu_chunks:
-        if type(x) is not int:
-            return None
-    if min(gpu_blocks) < 0 or max(gpu_blocks) >= table.max_gpu_block[0]:
+    g = _small_ids(gpu_blocks)
+    if g is None:
         return None
-    if min(cpu_chunks) < 0 or max(cpu_chunks) >= num_cpu_chunks:
+    c = _small_ids(cpu_chunks)
+    if c is None or len(g) != len(c):
         return None
-    dst = cpu_chunks if gpu_to_cpu else gpu_blocks
-    if len(set(dst)) != len(dst):
+    if min(g) < 0 or max(g) >= table.max_gpu_block[0]:
+        return None
+    if min(c) < 0 or max(c) >= num_cpu_chunks:
+        return None
+    dst = c if gpu_to_cpu else g
+    if len(dst) > 1 and len(set(dst)) != len(dst):
         return None
     rows = table.partitions[0][0][0]
-    g = np.array(gpu_blocks, dtype=U64)
-    c = np.array(cpu_chunks, dtype=U64)
-    src_slots, dst_slots = (g, c) if gpu_to_cpu else (c, g)
+    # private copies (the caller may reuse its arrays); validated non-negative above
+    ga = gpu_blocks.astype(U64) if type(gpu_blocks) is np.ndarray else np.array(g, dtype=U64)
+    ca = cpu_chunks.astype(U64) if type(cpu_chunks) is np.ndarray else np.array(c, dtype=U64)
+    src_slots, dst_slots = (ga, ca) if gpu_to_cpu else (ca, ga)
     k = len(g)
     per_block, frags = table.partition_totals[0][0]
     return TransferPlan(table, [Segment(rows, src_slots, dst_slots)], k * per_block, k * frags)

@@ -154,8 +154,11 @@ class DirectionQueue:
                 ) from exc
             error: BaseException | None = None
             try:
-                for piece in plan.pieces(self._piece_slots(plan)):
-                    self.backend.enqueue_copy(stream, piece, self.direction, path)
+                if plan.nbytes <= self.PIECE_BYTES:
+                    self.backend.enqueue_copy(stream, plan, self.direction, path)
+                else:
+                    for piece in plan.pieces(self._piece_slots(plan)):
+                        self.backend.enqueue_copy(stream, piece, self.direction, path)
             except Exception as exc:  # an API error: the copy never got (fully) enqueued
                 error = exc
             stream.record(end)

@@ -179,14 +179,15 @@ class _Staging:
 
     __slots__ = ("dev", "dev_ptr", "host", "host_ptr", "pool", "size", "words")
 
-    def __init__(self, pool: _StagingPool, size: int, host: Any, dev: Any) -> None:
+    def __init__(self, pool: _StagingPool, size: int, host: Any, dev: Any,
+                 words: np.ndarray) -> None:
         self.pool: _StagingPool | None = pool
         self.size = size
         self.host = host
         self.dev = dev
         self.host_ptr = int(host.ptr)
         self.dev_ptr = int(dev.ptr)
-        self.words = np.frombuffer(host, dtype=np.uint64, count=size // 8)
+        self.words = words
 
     def __del__(self) -> None:
         pool, self.pool = self.pool, None
@@ -206,7 +207,7 @@ class _StagingPool:
 
     def __init__(self, device_id: int, keep_per_class: int = 8) -> None:
         self._device_id = device_id
-        self._free: dict[int, list[tuple[Any, Any]]] = {}
+        self._free: dict[int, list[tuple[Any, Any, np.ndarray]]] = {}
         self._lock = threading.Lock()
         self._keep = keep_per_class
         self.closed = False
@@ -219,8 +220,10 @@ class _StagingPool:
         if pair is None:
             cp = cupy()
             with cp.cuda.Device(self._device_id):
-                pair = (cp.cuda.alloc_pinned_memory(size), cp.cuda.alloc(size))
-        return _Staging(self, size, pair[0], pair[1])
+                host = cp.cuda.alloc_pinned_memory(size)
+                pair = (host, cp.cuda.alloc(size),
+                        np.frombuffer(host, dtype=np.uint64, count=size // 8))
+        return _Staging(self, size, *pair)
 
     def give(self, st: _Staging) -> None:
         with self._lock:
@@ -228,7 +231,7 @@ class _StagingPool:
                 return
             free = self._free.setdefault(st.size, [])
             if len(free) < self._keep:
-                free.append((st.host, st.dev))
+                free.append((st.host, st.dev, st.words))
 
     def close(self) -> None:
         with self._lock:
@@ -247,6 +250,8 @@ class _TableEntry:
     frags_addr: int
     ready: CudaEvent | None
     stream_ptr: int
+    #: piece count per refs array (pack_job's cache)
+    pieces: dict[int, tuple[np.ndarray, int]] = field(default_factory=dict)
 
 
 # -- calibration --------------------------------------------------------------------------------
@@ -368,6 +373,7 @@ class CudaBackend(Backend):
         self._table_lock = threading.Lock()
         self._warned_unpinned = False
         self._pinned_cache: dict[tuple[int, str], tuple[Any, bool]] = {}
+        self._current_wrappers: dict[int, CudaStream] = {}
         #: how many transfers each concrete path ran (for tests and the benchmark)
         self.counts: dict[str, int] = {"kernel": 0, "dma": 0, "dma_batch": 0, "dma_each": 0}
 
@@ -474,7 +480,7 @@ class CudaBackend(Backend):
 
     def _wrap_current(self, ptr: int, owner: Any) -> CudaStream:
         """One CudaStream wrapper per current-stream handle (cached: called per transfer)."""
-        cache: dict[int, CudaStream] = self.__dict__.setdefault("_current_wrappers", {})
+        cache: dict[int, CudaStream] = self._current_wrappers
         wrapped = cache.get(ptr)
         if wrapped is None or wrapped._error is not None:
             wrapped = CudaStream(ptr, owner, self.device_id)
@@ -486,10 +492,16 @@ class CudaBackend(Backend):
     def compute_stream(self, override: Any | None) -> Stream | None:
         if override is None:
             if self.tensor_kind == "torch" and "torch" in sys.modules:
-                import torch
+                raw = self.__dict__.get("_torch_raw_stream")
+                if raw is None:
+                    import torch
 
-                ts = torch.cuda.current_stream(self.device_id)
-                return self._wrap_current(ts.cuda_stream, ts)
+                    # torch's own C++ accessor (what Triton calls): 0.2 us against 1.7 us
+                    # for torch.cuda.current_stream(); the stream is torch's and outlives us
+                    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
+                        lambda dev: torch.cuda.current_stream(dev).cuda_stream)
+                    self.__dict__["_torch_raw_stream"] = raw
+                return self._wrap_current(int(raw(self.device_id)), None)
             with self._device():
                 cs = cupy().cuda.get_current_stream()
             return self._wrap_current(cs.ptr, cs)
@@ -665,17 +677,20 @@ class CudaBackend(Backend):
                  path: str) -> None:
         if self._closed:
             raise TransferFailedError("the cuda backend is closed")
-        self.warm_up()
-        with self._device():
-            if path == "kernel":
-                if self._kernel_error is not None:
-                    raise TransferFailedError(f"copy kernels unavailable: {self._kernel_error}")
-                self._kernel_copy(stream, plan)
-            else:
-                self._dma_copy(stream, plan, direction)
+        if not self._ready:
+            self.warm_up()
+        if path == "kernel" and self._kernel_error is not None:
+            raise TransferFailedError(f"copy kernels unavailable: {self._kernel_error}")
+        copy = self._kernel_copy if path == "kernel" else self._dma_copy
+        if cupy().cuda.runtime.getDevice() == self.device_id:  # cheaper than a Device()
+            copy(stream, plan, direction)
+        else:
+            with self._device():
+                copy(stream, plan, direction)
         self.counts[path] += 1
 
-    def _kernel_copy(self, stream: CudaStream, plan: TransferPlan) -> None:
+    def _kernel_copy(self, stream: CudaStream, plan: TransferPlan, direction: Direction
+                     ) -> None:
         rt = cupy().cuda.runtime
         if plan.segments and plan._flat is None and self._table_kernel_fits(plan):
             entry = self._table_entry(plan.table, stream, plan.keepalive)
@@ -685,7 +700,7 @@ class CudaBackend(Backend):
                 staged.append(self._staging.take(nwords))
                 return staged[0].words
 
-            job = pack_job(plan.segments, entry.packed.pieces, alloc)
+            job = pack_job(plan.segments, entry.packed.pieces, alloc, entry.pieces)
             st = staged[0]
             plan.keepalive.append(st)
             if job.total_units == 0:
@@ -707,10 +722,12 @@ class CudaBackend(Backend):
     @staticmethod
     def _table_kernel_fits(plan: TransferPlan) -> bool:
         """The table kernel indexes slots and units with 32 bits (else: the flat kernel)."""
-        sides = (plan.table.src, plan.table.dst)
-        if any(max(s.num_rows, default=0) * s.factor >= 1 << 32 for s in sides):
-            return False
-        return plan.nbytes // 1024 + plan.num_descriptors < 1 << 31
+        table = plan.table
+        small = table.__dict__.get("_slots_fit_32")
+        if small is None:
+            small = table.__dict__["_slots_fit_32"] = all(
+                max(s.num_rows, default=0) * s.factor < 1 << 32 for s in (table.src, table.dst))
+        return bool(small) and plan.nbytes // 1024 + plan.num_descriptors < 1 << 31
 
     def _table_entry(self, table: RefTable, stream: CudaStream, keepalive: list[Any]
                      ) -> _TableEntry:
@@ -749,7 +766,21 @@ class CudaBackend(Backend):
         keepalive.append(entry)  # in flight it outlives a cache eviction
         return entry
 
+    #: up to this many runs, one cudaMemcpyAsync each beats a batch call (1.6 us per copy
+    #: against 7.6 us + 0.5 us per descriptor, measured on the H200)
+    EACH_RUNS = 4
+
     def _dma_copy(self, stream: CudaStream, plan: TransferPlan, direction: Direction) -> None:
+        runs = plan.runs()
+        if runs is not None and (len(runs) <= self.EACH_RUNS or self._batch is None):
+            copy = cupy().cuda.runtime.memcpyAsync
+            try:
+                for s, d, n in runs:
+                    copy(d, s, n, 4, stream.ptr)  # cudaMemcpyDefault
+            except Exception as exc:
+                raise _failure("cudaMemcpyAsync", exc) from exc
+            self.counts["dma_each"] += 1
+            return
         src, dst, sizes = plan.coalesced()
         if len(sizes) == 1:  # one copy: the plain call is cheaper than a batch
             try:

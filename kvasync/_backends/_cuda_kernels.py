@@ -243,35 +243,44 @@ def pack_job(
     segments: Sequence[Segment],
     pieces: np.ndarray,
     alloc: Callable[[int], np.ndarray] | None = None,
+    cache: dict[int, tuple[np.ndarray, int]] | None = None,
 ) -> Job:
     """Segment headers, ref rows and slot ids of a plan, as one uint64 array (O(blocks)).
 
     `alloc(nwords)` returns the (pinned staging) array to pack into, so the slot ids are
-    copied once; default: a fresh NumPy array.
+    copied once; default: a fresh NumPy array. `cache` remembers each refs array's piece
+    count (the refs of a plan are the table's own partition arrays, reused by every call).
     """
     segs = [s for s in segments if len(s.src_slots)]
-    ns = [len(s.src_slots) for s in segs]
-    rs = [len(s.refs) for s in segs]
-    pc = [int(pieces[s.refs].max()) for s in segs]
-    head = np.zeros((len(segs), _SEG), dtype=U64)
+    head: list[int] = []
     unit = slot = ref = 0
-    for k in range(len(segs)):
-        head[k] = (unit, ns[k], slot, ref, pc[k])
-        unit += rs[k] * ns[k] * pc[k]
-        slot += ns[k]
-        ref += rs[k]
+    for seg in segs:
+        refs = seg.refs
+        hit = cache.get(id(refs)) if cache is not None else None
+        if hit is not None and hit[0] is refs:
+            pc = hit[1]
+        else:
+            pc = int(pieces[refs].max())
+            if cache is not None:
+                cache[id(refs)] = (refs, pc)
+        n, r = len(seg.src_slots), len(refs)
+        head += (unit, n, slot, ref, pc)
+        unit += r * n * pc
+        slot += n
+        ref += r
     total = _SEG * len(segs) + ref + 2 * slot
     words = (alloc(total) if alloc is not None else np.empty(total, dtype=U64))[:total]
-    words[: _SEG * len(segs)] = head.ravel()
     pos = _SEG * len(segs)
+    words[:pos] = head
     for seg in segs:
         words[pos : pos + len(seg.refs)] = seg.refs
         pos += len(seg.refs)
-    for attr in ("src_slots", "dst_slots"):
-        for seg in segs:
-            part = getattr(seg, attr)
-            words[pos : pos + len(part)] = part
-            pos += len(part)
+    for seg in segs:
+        words[pos : pos + len(seg.src_slots)] = seg.src_slots
+        pos += len(seg.src_slots)
+    for seg in segs:
+        words[pos : pos + len(seg.dst_slots)] = seg.dst_slots
+        pos += len(seg.dst_slots)
     return Job(words, len(segs), ref, slot, unit)
 
 
@@ -311,45 +320,70 @@ def emulate_table(
 
 # -- the compiled kernels ----------------------------------------------------------------------
 class CopyKernels:
-    """The RawModule for one device, compiled on first use (or by `compile()`)."""
+    """The RawModule for one device, compiled on first use (or by `compile()`).
+
+    Launches go through `cuLaunchKernel` directly (`_cudart.KernelLauncher`, a fraction of
+    CuPy's per-launch cost); CuPy's launch is the fallback where the driver call cannot be
+    made (no libcuda to open, or no current context on the calling thread).
+    """
 
     def __init__(self) -> None:
         self._module: Any = None
         self._flat: Any = None
         self._table: Any = None
+        self._fast: dict[str, Any] = {}
+        self.direct = True
 
     def compile(self) -> None:
         """Build (NVRTC, or CuPy's on-disk cache) and load the module on the current device."""
         if self._flat is not None:
             return
-        from ._cudart import cupy
+        from ._cudart import KernelLauncher, cupy
 
         module = cupy().RawModule(code=SOURCE, options=("--std=c++17",))
         module.compile()
-        self._flat = module.get_function("kvasync_copy_flat")
-        self._table = module.get_function("kvasync_copy_table")
+        flat = module.get_function("kvasync_copy_flat")
+        table = module.get_function("kvasync_copy_table")
+        try:
+            self._fast = {"flat": KernelLauncher(flat.ptr, 2),
+                          "table": KernelLauncher(table.ptr, 11)}
+        except Exception:  # libcuda not loadable here: CuPy's launch only
+            self.direct = False
         self._module = module
+        self._table = table
+        self._flat = flat
 
     @staticmethod
     def _grid(grid: int, units: int) -> int:
         return max(1, min(grid, -(-units // (BLOCK // 32))))
 
+    def _launch(self, name: str, stream: Any, grid: int, args: list[int]) -> None:
+        if self.direct:
+            from ._cudart import CudaCallError
+
+            try:
+                self._fast[name](grid, BLOCK, int(stream.ptr), args)
+                return
+            except CudaCallError as exc:
+                if exc.code != 201:  # CUDA_ERROR_INVALID_CONTEXT: use CuPy's launch
+                    raise
+                self.direct = False
+        fn = self._flat if name == "flat" else self._table
+        fn((grid,), (BLOCK,), tuple(U64(a) for a in args), stream=stream)
+
     def launch_flat(self, stream: Any, desc_addr: int, n: int, grid: int) -> None:
-        """Copy `n` flat descriptors at device address `desc_addr` on `stream`."""
+        """Copy `n` flat descriptors at device address `desc_addr` on `stream` (a CuPy
+        stream)."""
         self.compile()
-        self._flat(
-            (self._grid(grid, n),), (BLOCK,), (U64(desc_addr), U64(n)), stream=stream
-        )
+        self._launch("flat", stream, self._grid(grid, n), [desc_addr, n])
 
     def launch_table(
         self, stream: Any, table_addr: int, frags_addr: int, packed: PackedTable,
         job_addr: int, job: Job, grid: int, piece: int = PIECE,
     ) -> None:
-        """Copy the units of `job` (uploaded at `job_addr`) on `stream`."""
+        """Copy the units of `job` (uploaded at `job_addr`) on `stream` (a CuPy stream)."""
         self.compile()
-        args = (
-            U64(table_addr), U64(frags_addr), U64(packed.num_frags), U64(job_addr),
-            U64(job.num_segs), U64(job.refs_len), U64(job.total_slots), U64(job.total_units),
-            U64(packed.src_factor), U64(packed.dst_factor), U64(piece),
-        )
-        self._table((self._grid(grid, job.total_units),), (BLOCK,), args, stream=stream)
+        args = [table_addr, frags_addr, packed.num_frags, job_addr, job.num_segs,
+                job.refs_len, job.total_slots, job.total_units, packed.src_factor,
+                packed.dst_factor, piece]
+        self._launch("table", stream, self._grid(grid, job.total_units), args)
