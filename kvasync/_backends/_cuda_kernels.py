@@ -332,7 +332,9 @@ class CopyKernels:
         self._flat: Any = None
         self._table: Any = None
         self._fast: dict[str, Any] = {}
+        #: launches go through cuLaunchKernel (False: CuPy's launch; `direct_error` says why)
         self.direct = True
+        self.direct_error = ""
 
     def compile(self) -> None:
         """Build (NVRTC, or CuPy's on-disk cache) and load the module on the current device."""
@@ -347,8 +349,9 @@ class CopyKernels:
         try:
             self._fast = {"flat": KernelLauncher(flat.ptr, 2),
                           "table": KernelLauncher(table.ptr, 11)}
-        except Exception:  # libcuda not loadable here: CuPy's launch only
+        except Exception as exc:  # libcuda not loadable here: CuPy's launch only
             self.direct = False
+            self.direct_error = str(exc)
         self._module = module
         self._table = table
         self._flat = flat
@@ -368,6 +371,7 @@ class CopyKernels:
                 if exc.code != 201:  # CUDA_ERROR_INVALID_CONTEXT: use CuPy's launch
                     raise
                 self.direct = False
+                self.direct_error = str(exc)
         fn = self._flat if name == "flat" else self._table
         fn((grid,), (BLOCK,), tuple(U64(a) for a in args), stream=stream)
 
