@@ -347,8 +347,9 @@ class CopyKernels:
         flat = module.get_function("kvasync_copy_flat")
         table = module.get_function("kvasync_copy_table")
         try:
-            self._fast = {"flat": KernelLauncher(flat.ptr, 2),
-                          "table": KernelLauncher(table.ptr, 11)}
+            # a RawModule hands out RawKernels; the driver function is their `.kernel`
+            self._fast = {"flat": KernelLauncher(getattr(flat, "kernel", flat).ptr, 2),
+                          "table": KernelLauncher(getattr(table, "kernel", table).ptr, 11)}
         except Exception as exc:  # libcuda not loadable here: CuPy's launch only
             self.direct = False
             self.direct_error = str(exc)
