@@ -69,6 +69,8 @@ class DirectionQueue:
         #: the urgent lane of a direction is a queue of its own (see Offloader.store)
         self.urgent = urgent
         self.engine = engine
+        #: awaits of short transfers poll this queue themselves (see Transfer.__await__)
+        self.spin_await = bool(engine.poll and getattr(backend, "poll_from_await", False))
         self._max_streams = max_streams
         self._lock = threading.Lock()
         self._streams: list[Stream] = []
@@ -154,10 +156,10 @@ class DirectionQueue:
                 ) from exc
             error: BaseException | None = None
             try:
-                if plan.nbytes <= self.PIECE_BYTES:
+                if plan.nbytes <= self._piece_bytes(path):
                     self.backend.enqueue_copy(stream, plan, self.direction, path)
                 else:
-                    for piece in plan.pieces(self._piece_slots(plan)):
+                    for piece in plan.pieces(self._piece_slots(plan, path)):
                         self.backend.enqueue_copy(stream, piece, self.direction, path)
             except Exception as exc:  # an API error: the copy never got (fully) enqueued
                 error = exc
@@ -179,16 +181,26 @@ class DirectionQueue:
             self._pending.put(rec)
         return transfer
 
-    #: bytes per piece of a big transfer (about 0.6 ms of PCIe time) and the fewest slots
+    #: bytes per piece of a big transfer (about 0.6 ms of PCIe time) and the fewest slots.
+    #: Pieces bound how long a DMA transfer holds the copy engines (which ignore stream
+    #: priority), so an urgent transfer gets through; kernel copies share the link with an
+    #: urgent lane's kernel anyway, so they are cut only into `KERNEL_PIECE_BYTES` pieces,
+    #: which lets the device start while the host packs the rest (each piece costs a pack
+    #: and a launch, a quarter of a mid-size store's host time at 32 MiB)
     PIECE_BYTES = 32 << 20
+    KERNEL_PIECE_BYTES = 256 << 20
     MIN_PIECE_SLOTS = 2048
 
-    def _piece_slots(self, plan: TransferPlan) -> int:
+    def _piece_bytes(self, path: str) -> int:
+        return self.KERNEL_PIECE_BYTES if path == "kernel" else self.PIECE_BYTES
+
+    def _piece_slots(self, plan: TransferPlan, path: str = "dma") -> int:
+        limit = self._piece_bytes(path)
         slots = sum(len(s.src_slots) for s in plan.segments)
-        if slots == 0 or plan.nbytes <= self.PIECE_BYTES:
+        if slots == 0 or plan.nbytes <= limit:
             return max(slots, 1)
         per_slot = plan.nbytes / slots
-        return max(self.MIN_PIECE_SLOTS, int(self.PIECE_BYTES / per_slot))
+        return max(self.MIN_PIECE_SLOTS, int(limit / per_slot))
 
     @property
     def _name(self) -> str:

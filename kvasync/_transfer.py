@@ -124,14 +124,15 @@ class Transfer:
         _run_callback(fn, self)
 
     def __await__(self) -> Generator[Any, None, TransferResult]:
-        if not self.done() and self._queue is not None and self._engine.poll:
+        q = self._queue
+        if not self.done() and q is not None and q.spin_await:
             # hybrid completion, short transfer: the awaiting task polls the direction itself
             # between loop iterations (no resolver hop, no thread wake: ~10 us after the
             # copy ends); past the predicted end plus a grace it falls back to the future
             now = time.perf_counter()
             if self._eta - now <= SPIN_WINDOW:
                 deadline = max(self._eta, now) + SPIN_GRACE
-                poll = self._queue.poll
+                poll = q.poll
                 while True:
                     poll()
                     if self.done() or time.perf_counter() > deadline:

@@ -256,3 +256,17 @@ def test_close_from_another_thread_while_in_flight(gate: Gate) -> None:
     closer.join(timeout=5)
     assert not closer.is_alive()
     assert all(t.wait(0).success for t in ts)
+
+
+@pytest.mark.asyncio
+async def test_host_backend_awaits_never_spin_in_the_awaiting_task() -> None:
+    """A host thread does the copy: a task polling it would hold the GIL the copy needs,
+    so awaits go through the loop's resolver (the CUDA variant is in tests/gpu)."""
+    tensors, off = make()
+    async with off:
+        assert not off._queues[("d2h", False)].spin_await
+        r = await off.store([1, 2], [3, 4])
+        assert r.success and off._resources()["resolver_tasks"] == 1
+        host = off.cpu_tensors
+        for k in range(2):
+            assert bytes(host[k][3]) == bytes(tensors[k][1])

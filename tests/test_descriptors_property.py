@@ -123,6 +123,15 @@ def test_plan_matches_oracle(s: dict) -> None:  # type: ignore[type-arg]
     # coalescing copies exactly the same bytes
     cs, cd, cz = coalesce(src, dst, sizes)
     assert byte_map(list(zip(cs.tolist(), cd.tolist(), cz.tolist()))) == byte_map(expected)
+    # the Python-int runs of small whole-page plans are exactly the coalesced descriptors
+    fresh = build_plan(table, s["gpu"], s["cpu"], s["gsizes"], s["bidx"], s["store"],
+                       s["num_chunks"])
+    runs = fresh.runs()
+    small = bool(plan.segments) and plan.num_descriptors <= 32 and all(
+        bool(table.simple[r]) for seg in plan.segments for r in seg.refs.tolist())
+    assert (runs is not None) == small
+    if runs is not None:
+        assert runs == list(zip(cs.tolist(), cd.tolist(), cz.tolist()))
 
 
 @given(st.lists(st.tuples(st.integers(0, 50), st.integers(1, 6)), min_size=0, max_size=30))
@@ -192,5 +201,7 @@ def test_small_fast_path_equals_general_path(
         return [x.tolist() for x in p.flat()], p.nbytes, p.num_descriptors
 
     fast = run(list(gpu_ids), list(cpu_ids))
-    general = run(np.asarray(gpu_ids, dtype=np.int64), np.asarray(cpu_ids, dtype=np.int64))
+    fast_arrays = run(np.asarray(gpu_ids, dtype=np.int64), np.asarray(cpu_ids, dtype=np.int64))
+    general = run(tuple(gpu_ids), tuple(cpu_ids))  # tuples always take the numpy path
     assert fast == general
+    assert fast_arrays == general

@@ -90,6 +90,10 @@ class Backend(ABC):
     name: str = ""
     #: copy paths this backend can run, the first is its default
     paths: tuple[str, ...] = ()
+    #: an awaiting task may poll a short transfer's events itself (hybrid completion): right
+    #: where the copy runs off the host (a GPU); wrong where a host thread copies, which a
+    #: spinning task would starve of the GIL
+    poll_from_await: bool = False
 
     @abstractmethod
     def check_device_array(self, info: ArrayInfo, what: str) -> None:

@@ -338,6 +338,7 @@ class CudaBackend(Backend):
 
     name = "cuda"
     paths = ("auto", "kernel", "dma")
+    poll_from_await = True
 
     def __init__(
         self,

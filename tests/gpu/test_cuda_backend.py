@@ -303,3 +303,49 @@ def test_event_error_is_none_for_a_healthy_event(backend: CudaBackend) -> None:
     s.record(ev)
     assert ev.synchronize() and ev.error() is None
     assert isinstance(ev, CudaEvent)
+
+
+# -- kernel launches ----------------------------------------------------------------------------
+@pytest.mark.parametrize("direct", [True, False])
+def test_kernel_launch_direct_and_through_cupy_copy_the_same_bytes(direct: bool) -> None:
+    """Launches go through cuLaunchKernel; CuPy's launch (the fallback) must agree."""
+    import torch
+
+    layout_t = [torch.randint(0, 256, (64, 1000 + 8 * i), dtype=torch.uint8, device="cuda")
+                for i in range(3)]
+    with kv.Offloader(kv.KVCacheLayout.from_tensors(layout_t), 64) as off:
+        kernels = off.backend._kernels  # type: ignore[attr-defined]
+        kernels.compile()
+        assert kernels.direct, kernels.direct_error  # the driver call is available
+        kernels.direct = direct
+        ids = list(range(0, 64, 3))
+        off.store(ids, ids, path="kernel").wait(30)
+        before = [t.clone() for t in layout_t]
+        for t in layout_t:
+            t.zero_()
+        off.load(ids, ids, path="kernel").wait(30)
+        torch.cuda.synchronize()
+        for a, b in zip(before, layout_t):
+            assert torch.equal(a[ids].cpu(), b[ids].cpu())
+            assert int(b[[i for i in range(64) if i not in ids]].sum().item()) == 0
+        assert kernels.direct is direct  # no silent fallback
+
+
+def test_small_dma_plans_use_plain_copies_and_stay_exact() -> None:
+    """Up to `EACH_RUNS` coalesced runs go out as cudaMemcpyAsync calls, more as a batch."""
+    import torch
+
+    t = torch.randint(0, 256, (64, 4096 + 3), dtype=torch.uint8, device="cuda")
+    with kv.Offloader(kv.KVCacheLayout.from_tensors([t]), 64) as off:
+        be = off.backend
+        for ids in ([5], [1, 2, 3], list(range(0, 40, 2))):
+            each, batch = be.counts["dma_each"], be.counts["dma_batch"]  # type: ignore[attr-defined]
+            off.store(ids, ids, path="dma").wait(30)
+            host = off.cpu_tensors[0]
+            for i in ids:
+                assert bytes(host[i]) == bytes(t[i].cpu().numpy())
+            runs = 1 if len(ids) <= 3 else len(ids)
+            if runs <= be.EACH_RUNS or not be.batch_available:  # type: ignore[attr-defined]
+                assert be.counts["dma_each"] == each + 1  # type: ignore[attr-defined]
+            else:
+                assert be.counts["dma_batch"] == batch + 1  # type: ignore[attr-defined]

@@ -232,3 +232,28 @@ async def test_many_transfers_complete_in_order_both_directions() -> None:
     got = _np(gpu)
     np.testing.assert_array_equal(got[::-1], off.cpu_tensors[0])
     await off.aclose()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("path", PATHS)
+async def test_short_transfers_are_polled_by_the_awaiting_task(path: str) -> None:
+    """Hybrid mode on the GPU: awaits of short transfers poll the end event from the awaiting
+    task (no resolver task); a transfer held behind a long kernel on the compute stream
+    outlives the spin window and is resolved by the loop's resolver instead."""
+    torch = _torch()
+    t = _u8((64, 4096), 7)
+    async with kv.Offloader(kv.KVCacheLayout.from_tensors([t]), 64) as off:
+        assert off._queues[("h2d", False)].spin_await
+        for i in range(50):
+            r = await off.store([i], [i], path=path)
+            assert r.success
+        assert off._resources()["resolver_tasks"] == 0
+        host = off.cpu_tensors[0]
+        assert np.array_equal(host[:50], _np(t)[:50])
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(100_000_000)  # ~50 ms on the compute stream
+        held = off.load([3], [60], stream=side, path=path)
+        assert (await held).success
+        assert off._resources()["resolver_tasks"] == 1
+        assert np.array_equal(_np(t)[60], host[3])
