@@ -293,7 +293,7 @@ def section_latency(ctx: Context) -> list[Row]:
                     extra={"diagnostic": True}))
             ctx.progress("cProfile of load() 4 KiB")
             prof = _profile(ctx, "load() of one 4 KiB block, 1 tensor",
-                            lambda i, off=off, c=c, g=g: off.load(c[i], g[i]), reps)
+                            lambda i, off=off, c=c, g=g: off.load(c[i], g[i]), reps)  # type: ignore[misc]
             rows.append(ctx.row("latency-profile", "load-4KiB", "h2d", page, reps=reps,
                                 note="cProfile tottime per call (us), top 12",
                                 extra={"profile_top": prof}))
@@ -395,7 +395,7 @@ def section_hostcost(ctx: Context) -> list[Row]:
                 ctx.progress("cProfile of store() 64 blocks")
                 extra["profile_top"] = _profile(
                     ctx, f"store() of 64 blocks x {2 * layers} tensors, path auto",
-                    lambda i, ids=ids: off.store(*ids[i % len(ids)]), 300)
+                    lambda i, ids=ids: off.store(*ids[i % len(ids)]), 300)  # type: ignore[misc]
         rows.append(ctx.row("hostcost", path, "d2h", page, p50_us=p50, p99_us=p99, blocks=n,
                             reps=reps, bytes=nbytes, seconds=statistics.median(walls),
                             gbps=round(nbytes / statistics.median(walls) / 1e9, 2),
@@ -505,7 +505,8 @@ def _bidir_ceiling(ctx: Context, reps: int) -> tuple[float, float, float]:
     hptr, dptr = int(host.ctypes.data), ctx.pool_ptr
     s1, s2 = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
     rt = cp.cuda.runtime
-    both, alone = [], {"h2d": [], "d2h": []}
+    both: list[float] = []
+    alone: dict[str, list[float]] = {"h2d": [], "d2h": []}
     for rep in range(reps + 1):
         t0 = time.perf_counter()
         rt.memcpyAsync(dptr, hptr, nbytes, _H2D, s1.ptr)
@@ -808,7 +809,8 @@ def section_interference(ctx: Context) -> list[Row]:
                                  else off.load(c0, g0, path=path, stream=side))
                             w.wait(120)
 
-                            def during(kg: Callable[[], bool], off: Any = off,
+                            def during(  # type: ignore[misc]
+                                       kg: Callable[[], bool], off: Any = off,
                                        direction: str = direction, path: str = path,
                                        ids: list[tuple[Any, Any]] = ids) -> tuple[int, float]:
                                 return _transfer_loop(off, direction, path, ids, side, kg)

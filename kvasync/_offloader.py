@@ -286,13 +286,14 @@ class Offloader:
         device, without blocking the host) until layer i has landed.
         """
         n = len(self.layout.tensors)
+        spec: list[list[int | None]]
         try:
             spec = [[i] for i in range(n)] if layers is None else [
-                [int(i) for i in x] if all(type(i) is int for i in x) else [None]  # type: ignore[misc]
+                [int(i) for i in x] if all(type(i) is int for i in x) else [None]
                 for x in layers
             ]
         except TypeError:
-            spec = [[None]]  # type: ignore[list-item]
+            spec = [[None]]
         flat = sorted((i for layer in spec for i in layer), key=lambda v: (v is None, v or 0))
         if flat != list(range(n)) or any(not layer for layer in spec):
             raise InvalidTransferError(
@@ -304,7 +305,7 @@ class Offloader:
         self._path(path)
         plan = build_plan(self._tables["h2d"], gpu_blocks, cpu_chunks, group_sizes,
                           block_indices, False, self.num_cpu_chunks)
-        parts = split_plan(plan, spec)
+        parts = split_plan(plan, spec)  # type: ignore[arg-type]  # validated: ints
         jid = job_id if job_id is not None else next(self._job_ids)
         signals = [self.backend.new_event(timing=False) for _ in parts]
         transfers = [
