@@ -405,8 +405,11 @@ def coalesce(
 _INT64_MAX = int(np.iinfo(np.int64).max)
 
 
-def _as_ids(x: Any, what: str) -> np.ndarray:
-    """A 1-D int64 array of ids; rejects floats, bools, non-1-D and non-integer input."""
+def _as_ids(x: Any, what: str, copy: bool = True) -> np.ndarray:
+    """A 1-D int64 array of ids; rejects floats, bools, non-1-D and non-integer input.
+
+    `copy=False` lets an int64 array through as is (no fresh 2 MB page-faulting copy for a
+    262k-id request): for copy paths that consume the plan before `store()` returns."""
     try:
         arr = np.asarray(x)
     except Exception as exc:  # pragma: no cover - exotic inputs
@@ -422,8 +425,10 @@ def _as_ids(x: Any, what: str) -> np.ndarray:
         raise InvalidTransferError(f"{what}: ids must be integers, got dtype {arr.dtype}")
     if kind == "u" and arr.dtype.itemsize == 8 and int(arr.max()) > _INT64_MAX:
         raise InvalidTransferError(f"{what}: id {int(arr.max())} out of range")
-    # one private copy: the plan may be read after the call returns (host backend), so it
+    # one private copy where the plan may be read after the call returns (host backend): it
     # must not alias an array the caller may reuse; later steps take zero-copy views of it
+    if not copy:
+        return np.asarray(arr, dtype=np.int64)
     return np.array(arr, dtype=np.int64, copy=True)
 
 
@@ -442,7 +447,8 @@ def _check_unique(slots: np.ndarray, gpu_to_cpu: bool, where: str) -> None:
         top = int(slots.max()) + 1
         if top <= 16 * n:
             seen = np.zeros(top, dtype=np.bool_)
-            seen[slots] = True
+            # int64 indices: numpy converts uint64 ones first (2x slower); ids are < 2^63
+            seen[slots.view(np.int64) if slots.dtype == U64 else slots] = True
             if np.count_nonzero(seen) == n:
                 return
         else:
@@ -535,14 +541,18 @@ def build_plan(
     block_indices: Sequence[int] | None,
     gpu_to_cpu: bool,
     num_cpu_chunks: int,
+    copy_ids: bool = True,
 ) -> TransferPlan:
-    """Validate one request and build its plan; raises InvalidTransferError, writes nothing."""
+    """Validate one request and build its plan; raises InvalidTransferError, writes nothing.
+
+    `copy_ids=False`: the plan may alias the caller's id arrays (it must be used up before
+    the caller can touch them again, i.e. within the submitting call)."""
     fast = _build_small(table, gpu_blocks, cpu_chunks, group_sizes, block_indices, gpu_to_cpu,
                         num_cpu_chunks)
     if fast is not None:
         return fast
-    gpu = _as_ids(gpu_blocks, "gpu_blocks")
-    cpu = _as_ids(cpu_chunks, "cpu_chunks")
+    gpu = _as_ids(gpu_blocks, "gpu_blocks", copy_ids)
+    cpu = _as_ids(cpu_chunks, "cpu_chunks", copy_ids)
     ng = table.num_groups
     if group_sizes is None:
         if ng != 1:

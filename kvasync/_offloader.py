@@ -304,7 +304,8 @@ class Offloader:
             raise OffloaderClosedError("the offloader is closed")
         self._path(path)
         plan = build_plan(self._tables["h2d"], gpu_blocks, cpu_chunks, group_sizes,
-                          block_indices, False, self.num_cpu_chunks)
+                          block_indices, False, self.num_cpu_chunks,
+                          self.backend.reads_plan_later)
         parts = split_plan(plan, spec)  # type: ignore[arg-type]  # validated: ints
         jid = job_id if job_id is not None else next(self._job_ids)
         signals = [self.backend.new_event(timing=False) for _ in parts]
@@ -345,6 +346,7 @@ class Offloader:
             block_indices,
             direction == "d2h",
             self.num_cpu_chunks,
+            self.backend.reads_plan_later,
         )
         return self._enqueue(direction, plan, job_id, stream, path, urgent)
 

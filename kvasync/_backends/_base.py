@@ -94,6 +94,9 @@ class Backend(ABC):
     #: where the copy runs off the host (a GPU); wrong where a host thread copies, which a
     #: spinning task would starve of the GIL
     poll_from_await: bool = False
+    #: the copy path reads a plan's id arrays after `enqueue_copy` returned (a host stream
+    #: thread does); False lets plans alias the caller's arrays instead of copying them
+    reads_plan_later: bool = True
 
     @abstractmethod
     def check_device_array(self, info: ArrayInfo, what: str) -> None:

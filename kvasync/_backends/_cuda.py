@@ -339,6 +339,7 @@ class CudaBackend(Backend):
     name = "cuda"
     paths = ("auto", "kernel", "dma")
     poll_from_await = True
+    reads_plan_later = False  # descriptors and slot ids are packed during enqueue_copy
 
     def __init__(
         self,

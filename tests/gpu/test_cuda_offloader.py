@@ -257,3 +257,20 @@ async def test_short_transfers_are_polled_by_the_awaiting_task(path: str) -> Non
         assert (await held).success
         assert off._resources()["resolver_tasks"] == 1
         assert np.array_equal(_np(t)[60], host[3])
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_caller_may_reuse_its_id_arrays_once_store_returns(path: str) -> None:
+    """The CUDA backend does not copy int64 id arrays (it packs them during the call): so
+    overwriting them right after `store()` returns must not change what is copied."""
+    t = _u8((4096, 256), 11)
+    with kv.Offloader(kv.KVCacheLayout.from_tensors([t]), 4096) as off:
+        rng = np.random.default_rng(0)
+        g = rng.permutation(4096)[:3000].astype(np.int64)  # large: the numpy path
+        c = rng.permutation(4096)[:3000].astype(np.int64)
+        want_g, want_c = g.copy(), c.copy()
+        tr = off.store(g, c, path=path)
+        g[:] = 0
+        c[:] = np.arange(3000)
+        tr.wait(60)
+        assert np.array_equal(off.cpu_tensors[0][want_c], _np(t)[want_g])
