@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -88,13 +89,16 @@ class RefTable:
     shared_tensors: list[tuple[int, list[int]]]
     max_gpu_block: list[int] = field(default_factory=list)
 
-    @property
+    @cached_property
     def all_simple(self) -> bool:
         """Every ref is a whole-page copy (cached: asked on every small transfer)."""
-        hit = self.__dict__.get("_all_simple")
-        if hit is None:
-            hit = self.__dict__["_all_simple"] = bool(self.simple.all())
-        return bool(hit)
+        return bool(self.simple.all())
+
+    @cached_property
+    def slots_fit_32(self) -> bool:
+        """Every slot id of both sides fits in 32 bits (the table kernel's index math)."""
+        return all(max(side.num_rows, default=0) * side.factor < 1 << 32
+                   for side in (self.src, self.dst))
 
 
 def build_ref_table(

@@ -36,7 +36,7 @@ import sys
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -379,6 +379,7 @@ class CudaBackend(Backend):
         self._warned_unpinned = False
         self._pinned_cache: dict[tuple[int, str], tuple[Any, bool]] = {}
         self._current_wrappers: dict[int, CudaStream] = {}
+        self._torch_raw_stream: Callable[[int], int] | None = None
         #: how many transfers each concrete path ran (for tests and the benchmark)
         self.counts: dict[str, int] = {"kernel": 0, "dma": 0, "dma_batch": 0, "dma_each": 0}
 
@@ -497,7 +498,7 @@ class CudaBackend(Backend):
     def compute_stream(self, override: Any | None) -> Stream | None:
         if override is None:
             if self.tensor_kind == "torch" and "torch" in sys.modules:
-                raw = self.__dict__.get("_torch_raw_stream")
+                raw = self._torch_raw_stream
                 if raw is None:
                     import torch
 
@@ -505,7 +506,7 @@ class CudaBackend(Backend):
                     # for torch.cuda.current_stream(); the stream is torch's and outlives us
                     raw = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
                         lambda dev: torch.cuda.current_stream(dev).cuda_stream)
-                    self.__dict__["_torch_raw_stream"] = raw
+                    self._torch_raw_stream = raw
                 return self._wrap_current(int(raw(self.device_id)), None)
             with self._device():
                 cs = cupy().cuda.get_current_stream()
@@ -727,12 +728,7 @@ class CudaBackend(Backend):
     @staticmethod
     def _table_kernel_fits(plan: TransferPlan) -> bool:
         """The table kernel indexes slots and units with 32 bits (else: the flat kernel)."""
-        table = plan.table
-        small = table.__dict__.get("_slots_fit_32")
-        if small is None:
-            small = table.__dict__["_slots_fit_32"] = all(
-                max(s.num_rows, default=0) * s.factor < 1 << 32 for s in (table.src, table.dst))
-        return bool(small) and plan.nbytes // 1024 + plan.num_descriptors < 1 << 31
+        return plan.table.slots_fit_32 and plan.nbytes // 1024 + plan.num_descriptors < 1 << 31
 
     def _table_entry(self, table: RefTable, stream: CudaStream, keepalive: list[Any]
                      ) -> _TableEntry:
@@ -776,38 +772,31 @@ class CudaBackend(Backend):
     EACH_RUNS = 4
 
     def _dma_copy(self, stream: CudaStream, plan: TransferPlan, direction: Direction) -> None:
-        runs = plan.runs()
-        if runs is not None and (len(runs) <= self.EACH_RUNS or self._batch is None):
-            copy = cupy().cuda.runtime.memcpyAsync
-            try:
-                for s, d, n in runs:
-                    copy(d, s, n, 4, stream.ptr)  # cudaMemcpyDefault
-            except Exception as exc:
-                raise _failure("cudaMemcpyAsync", exc) from exc
-            self.counts["dma_each"] += 1
-            return
-        src, dst, sizes = plan.coalesced()
-        if len(sizes) == 1:  # one copy: the plain call is cheaper than a batch
-            try:
-                _cudart.memcpy_each(src, dst, sizes, stream.ptr)
-            except Exception as exc:
-                raise _failure("cudaMemcpyAsync", exc) from exc
-            self.counts["dma_each"] += 1
-            return
-        batch = self._batch if self._use_batch_api is not False else None
-        if batch is not None and stream.ptr not in (0, 1):
-            order = _cudart.ACCESS_ORDER_STREAM if direction == "d2h" else (
-                _cudart.ACCESS_ORDER_ANY)
-            src_dev, dst_dev = (self.device_id, -1) if direction == "d2h" else (
-                -1, self.device_id)
-            try:
-                batch(src, dst, sizes, stream.ptr, order, src_dev, dst_dev)
-            except _cudart.CudaCallError as exc:
-                raise _failure("cuMemcpyBatchAsync", exc) from exc
-            self.counts["dma_batch"] += 1
-            return
+        batch = self._batch if stream.ptr not in (0, 1) else None  # None: batch call disabled
+        runs = plan.runs()  # small whole-page plans: Python ints, no NumPy
+        if runs is not None:
+            if len(runs) <= self.EACH_RUNS or batch is None:
+                self._memcpy_runs(runs, stream)
+                return
+            src, dst, sizes = (np.array(col, dtype=np.uint64) for col in zip(*runs))
+        else:
+            src, dst, sizes = plan.coalesced()
+            if len(sizes) == 1 or batch is None:  # one copy: the plain call is cheaper
+                self._memcpy_runs(zip(src.tolist(), dst.tolist(), sizes.tolist()), stream)
+                return
+        order = _cudart.ACCESS_ORDER_STREAM if direction == "d2h" else (
+            _cudart.ACCESS_ORDER_ANY)
+        src_dev, dst_dev = (self.device_id, -1) if direction == "d2h" else (
+            -1, self.device_id)
         try:
-            _cudart.memcpy_each(src, dst, sizes, stream.ptr)
+            batch(src, dst, sizes, stream.ptr, order, src_dev, dst_dev)
+        except _cudart.CudaCallError as exc:
+            raise _failure("cuMemcpyBatchAsync", exc) from exc
+        self.counts["dma_batch"] += 1
+
+    def _memcpy_runs(self, runs: Iterable[tuple[int, int, int]], stream: CudaStream) -> None:
+        try:
+            _cudart.memcpy_runs(runs, stream.ptr)
         except Exception as exc:
             raise _failure("cudaMemcpyAsync", exc) from exc
         self.counts["dma_each"] += 1

@@ -198,8 +198,6 @@ class PackedTable:
     num_frags: int
     src_factor: int
     dst_factor: int
-    #: every slot id of both sides fits in 32 bits (the table kernel's index math)
-    small_slots: bool = True
 
 
 def pack_table(table: RefTable, piece: int = PIECE) -> PackedTable:
@@ -222,10 +220,7 @@ def pack_table(table: RefTable, piece: int = PIECE) -> PackedTable:
         if k:
             biggest = int(table.frag_size[a : a + k].max())
             pieces[i] = max(1, -(-biggest // piece))
-    small = all(
-        max(side.num_rows, default=0) * side.factor < 1 << 32 for side in (table.src, table.dst)
-    )
-    return PackedTable(rows.ravel(), frags, pieces, f, table.src.factor, table.dst.factor, small)
+    return PackedTable(rows.ravel(), frags, pieces, f, table.src.factor, table.dst.factor)
 
 
 @dataclass

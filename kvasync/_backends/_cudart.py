@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
+from collections.abc import Iterable
 from types import ModuleType
 from typing import Any
 
@@ -41,6 +42,7 @@ __all__ = [
     "libcuda",
     "memcpy_async",
     "memcpy_each",
+    "memcpy_runs",
 ]
 
 log = logging.getLogger("kvasync")
@@ -134,8 +136,13 @@ def memcpy_async(dst: int, src: int, nbytes: int, stream: int) -> None:
 
 def memcpy_each(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, stream: int) -> None:
     """One `cudaMemcpyAsync` per descriptor: the fallback where the batch call is missing."""
+    memcpy_runs(zip(src.tolist(), dst.tolist(), sizes.tolist()), stream)
+
+
+def memcpy_runs(runs: Iterable[tuple[int, int, int]], stream: int) -> None:
+    """One `cudaMemcpyAsync(dst, src, size, cudaMemcpyDefault, stream)` per (src, dst, size)."""
     copy = cupy().cuda.runtime.memcpyAsync
-    for s, d, n in zip(src.tolist(), dst.tolist(), sizes.tolist()):
+    for s, d, n in runs:
         copy(d, s, n, _MEMCPY_DEFAULT, stream)
 
 
