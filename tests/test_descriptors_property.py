@@ -120,6 +120,15 @@ def test_plan_matches_oracle(s: dict) -> None:  # type: ignore[type-arg]
     assert sum(p.nbytes for p in parts) == plan.nbytes
     assert sorted(d for p in parts for d in zip(*(a.tolist() for a in p.flat()))) == sorted(got)
     assert all(p.keepalive is plan.keepalive for p in parts)
+    # a ramp (small first piece, 4x growth) covers the same descriptors, slots in order
+    ramp = plan.pieces(k, first=1)
+    assert sorted(d for p in ramp for d in zip(*(a.tolist() for a in p.flat()))) == sorted(got)
+    assert [x for p in ramp for sg in p.segments for x in sg.dst_slots.tolist()] == [
+        x for sg in plan.segments for x in sg.dst_slots.tolist()]
+    slots = [sum(len(sg.src_slots) for sg in p.segments) for p in ramp]
+    if len(ramp) > 1:
+        assert slots[0] == 1 and all(n <= k for n in slots)
+        assert all(b <= 4 * a for a, b in zip(slots, slots[1:]))
     # coalescing copies exactly the same bytes
     cs, cd, cz = coalesce(src, dst, sizes)
     assert byte_map(list(zip(cs.tolist(), cd.tolist(), cz.tolist()))) == byte_map(expected)

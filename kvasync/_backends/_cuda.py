@@ -255,6 +255,25 @@ class _TableEntry:
     pieces: dict[int, tuple[np.ndarray, int]] = field(default_factory=dict)
 
 
+@dataclass
+class _Fan:
+    """Helper streams of one main stream for fanned-out DMA, with their fork/join events."""
+
+    owners: list[Any]  # CuPy Streams (kept alive)
+    streams: list[int]  # their handles
+    fork: Any  # CuPy Event recorded on the main stream
+    joins: list[Any]  # one CuPy Event per helper
+
+    @classmethod
+    def create(cls, backend: CudaBackend, ways: int) -> _Fan:
+        cp = cupy()
+        with backend._device():
+            owners = [cp.cuda.Stream(non_blocking=True) for _ in range(ways)]
+            fork = cp.cuda.Event(disable_timing=True)
+            joins = [cp.cuda.Event(disable_timing=True) for _ in range(ways)]
+        return cls(owners, [int(o.ptr) for o in owners], fork, joins)
+
+
 # -- calibration --------------------------------------------------------------------------------
 @dataclass
 class Calibration:
@@ -381,7 +400,10 @@ class CudaBackend(Backend):
         self._current_wrappers: dict[int, CudaStream] = {}
         self._torch_raw_stream: Callable[[int], int] | None = None
         #: how many transfers each concrete path ran (for tests and the benchmark)
-        self.counts: dict[str, int] = {"kernel": 0, "dma": 0, "dma_batch": 0, "dma_each": 0}
+        self.counts: dict[str, int] = {"kernel": 0, "dma": 0, "dma_batch": 0, "dma_each": 0,
+                                       "dma_fanned": 0}
+        #: helper streams of fanned-out DMA batches, per main stream handle
+        self._fans: dict[int, _Fan] = {}
 
     # -- set-up ---------------------------------------------------------------------------------
     def _device(self) -> Any:
@@ -788,11 +810,64 @@ class CudaBackend(Backend):
             _cudart.ACCESS_ORDER_ANY)
         src_dev, dst_dev = (self.device_id, -1) if direction == "d2h" else (
             -1, self.device_id)
+        ways = self._fan_ways(sizes)
         try:
-            batch(src, dst, sizes, stream.ptr, order, src_dev, dst_dev)
+            if ways == 1:
+                batch(src, dst, sizes, stream.ptr, order, src_dev, dst_dev)
+            else:
+                self._batch_fanned(batch, src, dst, sizes, stream, ways, order, src_dev,
+                                   dst_dev)
         except _cudart.CudaCallError as exc:
             raise _failure("cuMemcpyBatchAsync", exc) from exc
         self.counts["dma_batch"] += 1
+
+    #: a batch whose descriptors average at least `FAN_MIN_BYTES` is spread over
+    #: `FAN_OUT` helper streams, so several copy engines work at once and one engine's
+    #: per-copy gap hides behind the others' copies. Measured on the H200 (1 GiB of random
+    #: pages, GB/s h2d / d2h, 1 stream -> 4): 256 KiB 49.3 / 49.2 -> 52.2 / 51.6, 1 MiB
+    #: 52.6 / 53.8 -> 53.4 / 54.5; 16 KiB pages got slower (the driver is their limit)
+    FAN_OUT = 4
+    FAN_MIN_BYTES = 128 << 10
+
+    def _fan_ways(self, sizes: np.ndarray) -> int:
+        n = len(sizes)
+        if self.FAN_OUT < 2 or n < 2 * self.FAN_OUT:
+            return 1
+        if int(sizes.sum()) < self.FAN_MIN_BYTES * n:
+            return 1
+        return self.FAN_OUT
+
+    def _batch_fanned(self, batch: _cudart.BatchCopier, src: np.ndarray, dst: np.ndarray,
+                      sizes: np.ndarray, stream: CudaStream, ways: int, order: int,
+                      src_dev: int, dst_dev: int) -> None:
+        """Fork `ways` helper streams off `stream` (they wait for an event recorded on it),
+        give each a contiguous slice of the descriptors, and join them back (`stream`
+        waits for each helper's event), so what follows on `stream` stays in order.
+
+        The helpers belong to `stream` (the caller submits to one stream at a time, under
+        its queue's lock), and their events are re-recorded per call: a wait takes the
+        record made before it, so reuse is safe (cudaEventRecord/cudaStreamWaitEvent).
+        """
+        rt = cupy().cuda.runtime
+        fan = self._fans.get(stream.ptr)
+        if fan is None or len(fan.streams) < ways:
+            fan = self._fans[stream.ptr] = _Fan.create(self, ways)
+        rt.eventRecord(fan.fork.ptr, stream.ptr)
+        n = len(sizes)
+        bounds = [n * i // ways for i in range(ways + 1)]
+        joined = 0
+        try:
+            for i in range(ways):
+                lo, hi = bounds[i], bounds[i + 1]
+                helper = fan.streams[i]
+                rt.streamWaitEvent(helper, fan.fork.ptr, 0)
+                joined = i + 1  # from here on the helper must be joined back
+                batch(src[lo:hi], dst[lo:hi], sizes[lo:hi], helper, order, src_dev, dst_dev)
+        finally:
+            for i in range(joined):
+                rt.eventRecord(fan.joins[i].ptr, fan.streams[i])
+                rt.streamWaitEvent(stream.ptr, fan.joins[i].ptr, 0)
+        self.counts["dma_fanned"] += 1
 
     def _memcpy_runs(self, runs: Iterable[tuple[int, int, int]], stream: CudaStream) -> None:
         try:
@@ -810,6 +885,7 @@ class CudaBackend(Backend):
         self._closed = True
         self._staging.close()
         self._tables.clear()
+        self._fans.clear()
         self._pinned_cache.clear()
 
     def __repr__(self) -> str:

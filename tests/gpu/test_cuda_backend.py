@@ -349,3 +349,37 @@ def test_small_dma_plans_use_plain_copies_and_stay_exact() -> None:
                 assert be.counts["dma_each"] == each + 1  # type: ignore[attr-defined]
             else:
                 assert be.counts["dma_batch"] == batch + 1  # type: ignore[attr-defined]
+
+
+def test_big_dma_batches_fan_out_over_helper_streams_and_keep_order() -> None:
+    """Batches of >= 128 KiB descriptors are split over helper streams (fork/join events):
+    two stores into the same chunks land in call order, and a load still waits for the
+    compute stream's earlier writes."""
+    import torch
+
+    page = 256 * 1024
+    t = torch.randint(0, 256, (64, page), dtype=torch.uint8, device="cuda")
+    with kv.Offloader(kv.KVCacheLayout.from_tensors([t]), 64) as off:
+        be = off.backend
+        if not be.batch_available:  # type: ignore[attr-defined]
+            pytest.skip("no cuMemcpyBatchAsync on this driver")
+        rng = np.random.default_rng(5)
+        first, second = rng.permutation(64)[:32].tolist(), rng.permutation(64)[:32].tolist()
+        chunks = rng.permutation(64)[:32].tolist()
+        fanned = be.counts["dma_fanned"]  # type: ignore[attr-defined]
+        off.store(first, chunks, path="dma")
+        last = off.store(second, chunks, path="dma")  # same chunks: must win
+        last.wait(30)
+        assert be.counts["dma_fanned"] == fanned + 2  # type: ignore[attr-defined]
+        host = off.cpu_tensors[0]
+        expect = t[second].cpu().numpy()
+        for i, c in enumerate(chunks):
+            assert np.array_equal(host[c], expect[i])
+        # load-waits-for-compute through the fan: a long kernel, then zeroing, on the
+        # compute stream; the load (submitted after) must land on top of the zeros
+        torch.cuda._sleep(50_000_000)
+        t[first] = 0  # index_put_ on the compute stream
+        off.load(chunks, first, path="dma").wait(30)
+        torch.cuda.synchronize()
+        assert torch.equal(t[first].cpu(), torch.from_numpy(expect))
+        assert be.counts["dma_fanned"] == fanned + 3  # type: ignore[attr-defined]

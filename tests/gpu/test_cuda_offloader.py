@@ -274,3 +274,34 @@ def test_caller_may_reuse_its_id_arrays_once_store_returns(path: str) -> None:
         c[:] = np.arange(3000)
         tr.wait(60)
         assert np.array_equal(off.cpu_tensors[0][want_c], _np(t)[want_g])
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_wait_polls_near_the_predicted_end_then_falls_back_to_the_thread(path: str) -> None:
+    """`wait()` on the GPU polls the direction itself near the predicted end (no thread
+    wake-up); a misprediction (the copy held behind a ~50 ms kernel) ends the polling after
+    the grace and the completion thread finishes the transfer. Timeouts still hold."""
+    torch = _torch()
+    t = _u8((64, 4096), 9)
+    with kv.Offloader(kv.KVCacheLayout.from_tensors([t]), 64) as off:
+        q = off._queues[("h2d", False)]
+        calls = 0
+        real_poll = q.poll
+
+        def counting_poll() -> int:
+            nonlocal calls
+            calls += 1
+            return real_poll()
+
+        q.poll = counting_poll  # type: ignore[method-assign]
+        off.store([1], [1], path=path).wait(30)
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(100_000_000)
+        held = off.load([1], [40], stream=side, path=path)
+        held._eta = 0.0  # "predicted to have ended already": poll for the grace, then sleep
+        with pytest.raises(TimeoutError):
+            held.wait(0.001)
+        assert calls > 0 and not held.done()
+        assert held.wait(30).success
+        assert np.array_equal(_np(t)[40], off.cpu_tensors[0][1])
