@@ -451,6 +451,12 @@ def _check_unique(slots: np.ndarray, gpu_to_cpu: bool, where: str) -> None:
         if len(set(slots.tolist())) == n:
             return
     else:
+        # strictly increasing ids (e.g. freshly allocated chunks) are unique: one vector
+        # compare (~0.2 ms per 262k ids) instead of the bitmap's random scatter (~1 ms); a
+        # 64-id probe keeps the cost nil for unsorted requests
+        head = slots[:64]
+        if bool((head[1:] > head[:-1]).all()) and bool((slots[1:] > slots[:-1]).all()):
+            return
         # np.unique's hash path is ~60x slower than this (NumPy 2); a bitmap is ~3x faster
         # than a sort when the ids are dense
         top = int(slots.max()) + 1

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._backends import Backend, Direction, Event, Stream
-from ._completion import CompletionEngine
+from ._completion import SPIN_WINDOW, CompletionEngine
 from ._descriptors import TransferPlan
 from ._errors import OffloaderBrokenError, OffloaderClosedError, TransferFailedError
 from ._transfer import Transfer, TransferResult
@@ -82,6 +82,11 @@ class DirectionQueue:
         self._last_stream: Stream | None = None
         self.last_transfer: Transfer | None = None
         self._pending: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        #: lazy completion thread: not woken per transfer (see `_lazy_loop`)
+        self.lazy = self.spin_await and self.LAZY_THREAD
+        self._cv = threading.Condition(threading.Lock())
+        self._parked = False
+        self._stop = False
         #: in-flight records in submission order; advanced by whoever sees the head done
         self._fifo: deque[_InFlight] = deque()
         self._finish_lock = threading.RLock()
@@ -178,7 +183,12 @@ class DirectionQueue:
             transfer._queue = self
             transfer._eta = eta
             self._fifo.append(rec)  # deque appends are atomic; order is set by self._lock
-            self._pending.put(rec)
+            if not self.lazy:
+                self._pending.put(rec)
+            else:
+                with self._cv:  # wake the thread only if it parked (nothing was in flight)
+                    if self._parked:
+                        self._cv.notify()
         return transfer
 
     #: bytes per piece of a big transfer (about 0.6 ms of PCIe time) and the fewest slots.
@@ -218,12 +228,14 @@ class DirectionQueue:
     def _ensure_thread(self) -> None:
         if self._thread is None:
             self._thread = threading.Thread(
-                target=self._complete_loop, name=f"kvasync-{self.direction}-completion", daemon=True
+                target=self._lazy_loop if self.lazy else self._complete_loop,
+                name=f"kvasync-{self.direction}-completion", daemon=True,
             )
             self._thread.start()
 
     # -- completion ---------------------------------------------------------------------------
     def _complete_loop(self) -> None:
+        """Eager: woken per submitted transfer, sleeps in each end event's blocking wait."""
         while True:
             rec = self._pending.get()
             if rec is _STOP:
@@ -231,6 +243,55 @@ class DirectionQueue:
             if rec.finished:
                 continue
             rec.end.synchronize()
+            self.poll()
+
+    #: lazy thread: an unpolled short transfer completes at most this long after its
+    #: predicted end (or its real end, if later); the thread sleeps at least `TICK` at a
+    #: time and parks (waits to be notified) after `PARK_AFTER` seconds with nothing in flight
+    LAZY_THREAD = True
+    THREAD_GRACE = 0.3e-3
+    TICK = 0.5e-3
+    PARK_AFTER = 0.05
+
+    def _lazy_loop(self) -> None:
+        """Lazy: for queues whose awaiters and waiters poll the head themselves (CUDA).
+
+        Waking a thread per transfer costs two GIL hand-offs that land inside the caller's
+        next `store()`; so a transfer predicted to end soon is left to its pollers, and the
+        thread only looks at it after its predicted end plus `THREAD_GRACE` (then blocks in
+        its end event's wait). A transfer predicted to end later is waited on at once.
+        Submission notifies the thread only when it parked.
+        """
+        cv = self._cv
+        idle_since: float | None = None
+        while True:
+            with cv:
+                if self._stop:
+                    return
+                head = self._fifo[0] if self._fifo else None
+                if head is None:
+                    now = time.perf_counter()
+                    idle_since = now if idle_since is None else idle_since
+                    if now - idle_since >= self.PARK_AFTER:
+                        self._parked = True
+                        cv.wait()
+                        self._parked = False
+                        idle_since = None
+                    else:
+                        cv.wait(self.TICK)
+                    continue
+            idle_since = None
+            if head.finished:
+                continue
+            now = time.perf_counter()
+            if head.eta - now <= SPIN_WINDOW:
+                late = head.eta + self.THREAD_GRACE - now
+                if late > 0:
+                    with cv:
+                        if not self._stop:
+                            cv.wait(max(late, self.TICK))
+                    continue
+            head.end.synchronize()
             self.poll()
 
     def head_eta(self) -> float | None:
@@ -329,6 +390,9 @@ class DirectionQueue:
         thread, self._thread = self._thread, None
         if thread is not None:
             self._pending.put(_STOP)
+            with self._cv:
+                self._stop = True
+                self._cv.notify_all()
             thread.join(timeout=10)
         with self._lock:
             self._free_streams.clear()

@@ -44,11 +44,13 @@ def make(blocks: int = 64, page: int = 1024, chunks: int = 64, **kw: object) -> 
 
 
 @pytest.mark.asyncio
-async def test_many_awaiters_resolve_in_submission_order() -> None:
+async def test_many_awaiters_resolve_in_submission_order(gate: Gate) -> None:
     gpu, off = make()
     n = 200
     order: list[int] = []
-    transfers = [off.store([i % 64], [i % 64]) for i in range(n)]
+    # held behind the gate until every waiter awaits (else a waiter that starts after its
+    # transfer finished returns at once, ahead of earlier ones still waking up)
+    transfers = [off.store([i % 64], [i % 64], stream=gate.stream) for i in range(n)]
     for t in transfers:
         t.add_done_callback(lambda tr: order.append(tr.job_id))
     awaited: list[int] = []
@@ -57,7 +59,11 @@ async def test_many_awaiters_resolve_in_submission_order() -> None:
         r = await t
         awaited.append(r.job_id)
 
-    await asyncio.gather(*(waiter(t) for t in transfers for _ in range(3)))
+    async def release() -> None:
+        await asyncio.sleep(0.05)
+        gate.open()
+
+    await asyncio.gather(*(waiter(t) for t in transfers for _ in range(3)), release())
     assert order == list(range(n))
     assert len(awaited) == 3 * n and sorted(awaited) == sorted(list(range(n)) * 3)
     # awaiters were resolved by one task in completion order
@@ -270,3 +276,62 @@ async def test_host_backend_awaits_never_spin_in_the_awaiting_task() -> None:
         host = off.cpu_tensors
         for k in range(2):
             assert bytes(host[k][3]) == bytes(tensors[k][1])
+
+
+def _lazy_offloader(monkeypatch: pytest.MonkeyPatch) -> tuple[list[np.ndarray], kv.Offloader]:
+    """A host offloader whose queues run the lazy completion thread of the CUDA backend
+    (the host backend normally keeps the eager one: nobody polls its transfers)."""
+    from kvasync._backends._host import HostBackend
+    from kvasync._scheduler import DirectionQueue
+
+    monkeypatch.setattr(HostBackend, "poll_from_await", True)
+    monkeypatch.setattr(DirectionQueue, "PARK_AFTER", 0.02)
+    gpu, off = make()
+    assert all(q.lazy for q in off._queues.values())
+    return gpu, off
+
+
+def test_lazy_thread_completes_unpolled_transfers_in_order_and_parks(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nobody waits or awaits: callbacks still fire (in order), drain() returns, the idle
+    thread parks, and a transfer submitted to the parked thread still completes."""
+    gpu, off = _lazy_offloader(monkeypatch)
+    with off:
+        q = off._queues[("d2h", False)]
+        seen: list[int] = []
+        done = threading.Event()
+        ts = [off.store([i], [i]) for i in range(40)]
+        for t in ts:
+            t.add_done_callback(lambda tr: seen.append(tr.job_id))
+        ts[-1].add_done_callback(lambda tr: done.set())
+        assert done.wait(10)
+        assert seen == [t.job_id for t in ts]
+        assert off.drain_sync(10)
+        deadline = time.monotonic() + 5
+        while not q._parked and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert q._parked
+        late = threading.Event()
+        t = off.store([50], [50])
+        t.add_done_callback(lambda tr: late.set())
+        assert late.wait(10) and t.result().success
+        assert bytes(off.cpu_tensors[0][50]) == bytes(gpu[0][50])
+        thread = q._thread
+        assert thread is not None and thread.is_alive()
+    thread.join(1)
+    assert not thread.is_alive()  # close() stopped it
+
+
+@pytest.mark.asyncio
+async def test_lazy_thread_with_awaiters_and_waiters(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Awaits and waits poll the queue themselves; results are right and in order."""
+    gpu, off = _lazy_offloader(monkeypatch)
+    async with off:
+        for i in range(30):
+            r = await off.store([i], [i])
+            assert r.success
+            assert off.load([i], [i + 30]).wait(10).success
+        for i in range(30):
+            for k in range(2):
+                assert bytes(off.cpu_tensors[k][i]) == bytes(gpu[k][i])
+                assert bytes(gpu[k][i + 30]) == bytes(gpu[k][i])

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from oracle import Ref, Side, byte_map, copies
 
+import kvasync as kv
 from kvasync._descriptors import SideGeometry, build_plan, build_ref_table, coalesce
 from kvasync._layout import CopyRun, KVCacheLayout, KVRef, KVTensor, PageMapping
 
@@ -214,3 +216,22 @@ def test_small_fast_path_equals_general_path(
     general = run(tuple(gpu_ids), tuple(cpu_ids))  # tuples always take the numpy path
     assert fast == general
     assert fast_arrays == general
+
+
+@given(st.lists(st.integers(0, 5000), min_size=257, max_size=700), st.booleans(),
+       st.booleans())
+def test_duplicate_check_agrees_with_a_set(ids: list[int], ordered: bool, dup: bool) -> None:
+    """The large-request duplicate check (sorted shortcut, bitmap, sort) against a set."""
+    from kvasync._descriptors import _check_unique
+
+    if ordered:
+        ids = sorted(set(ids))
+        if dup and len(ids) > 1:
+            ids.insert(len(ids) // 2, ids[len(ids) // 2])  # sorted, not strictly increasing
+    arr = np.asarray(ids, dtype=np.uint64)
+    unique = len(set(ids)) == len(ids)
+    if unique:
+        _check_unique(arr, True, "t")
+    else:
+        with pytest.raises(kv.InvalidTransferError, match="duplicate destination"):
+            _check_unique(arr, True, "t")
