@@ -39,6 +39,10 @@ HEALTH_BUDGET_S = 0.005
 #: the due-time measure also carries the probe's own sleep overshoot (epoll rounds timeouts up
 #: to whole milliseconds) and the answers of other requests queued on the loop
 STALL_BUDGET_S = 0.010
+#: an idle /health through a real uvicorn thread: its GIL hand-offs with the client's loop
+#: can each wait out Python's 5 ms switch interval on a loaded 2-core machine, so this only
+#: tells "answers" from "blocked" (a loop stuck in a synchronous wait takes seconds)
+IDLE_HEALTH_BUDGET_S = 0.05
 PROBE_INTERVAL_S = 0.001
 
 
@@ -279,4 +283,4 @@ async def test_round_trip_through_a_real_uvicorn_server(live_server: str) -> Non
             t0 = time.perf_counter()
             assert (await c.get("/health")).status_code == 200
             latencies.append(time.perf_counter() - t0)
-        assert statistics.median(latencies) < HEALTH_BUDGET_S
+        assert statistics.median(latencies) < IDLE_HEALTH_BUDGET_S
