@@ -35,10 +35,15 @@ from server import Config, KVServer, create_app, expected_blocks
 CONVERSATIONS, BLOCKS, ROUNDS = 12, 32, 3
 CONFIG = Config(num_tensors=8, block_bytes=64 * 1024, gpu_blocks=(CONVERSATIONS + 2) * BLOCKS,
                 cpu_chunks=CONVERSATIONS * BLOCKS)
-HEALTH_BUDGET_S = 0.005
+#: p99 budgets that tell a responsive loop from a blocked one, not latency targets (those
+#: are the benchmark's job): a loop stuck in a synchronous wait stalls for the whole transfer
+#: queue (~100 ms here), while on a loaded 2-core CI machine the p99 of a healthy loop was
+#: seen at 4-16 ms (the host backend's copy threads compete for the GIL, and each hand-off
+#: can wait out Python's 5 ms switch interval)
+HEALTH_BUDGET_S = 0.04
 #: the due-time measure also carries the probe's own sleep overshoot (epoll rounds timeouts up
 #: to whole milliseconds) and the answers of other requests queued on the loop
-STALL_BUDGET_S = 0.010
+STALL_BUDGET_S = 0.05
 #: an idle /health through a real uvicorn thread: its GIL hand-offs with the client's loop
 #: can each wait out Python's 5 ms switch interval on a loaded 2-core machine, so this only
 #: tells "answers" from "blocked" (a loop stuck in a synchronous wait takes seconds)
