@@ -248,7 +248,9 @@ class DirectionQueue:
     #: lazy thread: an unpolled short transfer completes at most this long after its
     #: predicted end (or its real end, if later); the thread sleeps at least `TICK` at a
     #: time and parks (waits to be notified) after `PARK_AFTER` seconds with nothing in flight
-    LAZY_THREAD = True
+    #: off by default until it has run on a GPU (written and CPU-tested 2026-12-03; the
+    #: device was not lent again before the session ended)
+    LAZY_THREAD = False
     THREAD_GRACE = 0.3e-3
     TICK = 0.5e-3
     PARK_AFTER = 0.05

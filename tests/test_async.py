@@ -286,6 +286,7 @@ def _lazy_offloader(monkeypatch: pytest.MonkeyPatch) -> tuple[list[np.ndarray], 
 
     monkeypatch.setattr(HostBackend, "poll_from_await", True)
     monkeypatch.setattr(DirectionQueue, "PARK_AFTER", 0.02)
+    monkeypatch.setattr(DirectionQueue, "LAZY_THREAD", True)
     gpu, off = make()
     assert all(q.lazy for q in off._queues.values())
     return gpu, off

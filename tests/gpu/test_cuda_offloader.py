@@ -277,10 +277,14 @@ def test_caller_may_reuse_its_id_arrays_once_store_returns(path: str) -> None:
 
 
 @pytest.mark.parametrize("path", PATHS)
-def test_wait_polls_near_the_predicted_end_then_falls_back_to_the_thread(path: str) -> None:
+def test_wait_polls_near_the_predicted_end_then_falls_back_to_the_thread(
+        path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """`wait()` on the GPU polls the direction itself near the predicted end (no thread
     wake-up); a misprediction (the copy held behind a ~50 ms kernel) ends the polling after
     the grace and the completion thread finishes the transfer. Timeouts still hold."""
+    from kvasync._scheduler import DirectionQueue
+
+    monkeypatch.setattr(DirectionQueue, "LAZY_THREAD", True)  # opt-in mode
     torch = _torch()
     t = _u8((64, 4096), 9)
     with kv.Offloader(kv.KVCacheLayout.from_tensors([t]), 64) as off:
