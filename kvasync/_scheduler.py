@@ -248,9 +248,10 @@ class DirectionQueue:
     #: lazy thread: an unpolled short transfer completes at most this long after its
     #: predicted end (or its real end, if later); the thread sleeps at least `TICK` at a
     #: time and parks (waits to be notified) after `PARK_AFTER` seconds with nothing in flight
-    #: off by default until it has run on a GPU (written and CPU-tested 2026-12-03; the
-    #: device was not lent again before the session ended)
-    LAZY_THREAD = False
+    #: on by default since the H200 comparison of 2026-12-03 (docs/benchmarks/h200/lazy/):
+    #: 4 KiB round trips 66-85 -> 42-54 us p50, store() of 64x128 blocks 123-163 -> 72-82 us
+    #: p50, 64 KiB x 64 tasks 14-15k -> 16.5-19k transfers/s; False restores the eager thread
+    LAZY_THREAD = True
     THREAD_GRACE = 0.3e-3
     TICK = 0.5e-3
     PARK_AFTER = 0.05

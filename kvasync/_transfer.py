@@ -106,7 +106,7 @@ class Transfer:
     def wait(self, timeout: float | None = None) -> TransferResult:
         """Block this thread until done (no event loop needed); TimeoutError after `timeout`.
 
-        With the lazy completion thread (`DirectionQueue.LAZY_THREAD`, CUDA, opt-in): it
+        With the lazy completion thread (`DirectionQueue.LAZY_THREAD`, CUDA, the default): it
         sleeps until `SPIN_WINDOW` before the predicted end, then polls the direction itself
         until the end plus `SPIN_GRACE`, then sleeps again (the completion thread's wake-up
         took 0.3-0.4 ms after a 1 GiB copy on the H200 host).
@@ -114,7 +114,7 @@ class Transfer:
         start = time.perf_counter()
         deadline = None if timeout is None else start + timeout
         q = self._queue
-        if not self.done() and q is not None and q.lazy:  # polling callers (opt-in)
+        if not self.done() and q is not None and q.lazy:  # polling callers
             lead = self._eta - SPIN_WINDOW - start
             if lead > 0:
                 with self._cond:

@@ -276,6 +276,31 @@ def test_caller_may_reuse_its_id_arrays_once_store_returns(path: str) -> None:
         assert np.array_equal(off.cpu_tensors[0][want_c], _np(t)[want_g])
 
 
+@pytest.mark.asyncio
+@pytest.mark.parametrize("lazy", [False, True])
+async def test_both_completion_threads_resolve_awaits_and_waits_in_order(
+        lazy: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The eager thread (`LAZY_THREAD = False`, woken per transfer) and the lazy one both
+    finish awaited and waited transfers, in submission order, with the bytes in place."""
+    from kvasync._scheduler import DirectionQueue
+
+    monkeypatch.setattr(DirectionQueue, "LAZY_THREAD", lazy)
+    t = _u8((256, 4096), 13)
+    with kv.Offloader(kv.KVCacheLayout.from_tensors([t]), 256) as off:
+        assert off._queues[("h2d", False)].lazy is lazy
+        done: list[int] = []
+        trs = [off.store([i], [i]) for i in range(200)]
+        for i, tr in enumerate(trs):
+            tr.add_done_callback(lambda _t, i=i: done.append(i))
+        results = []
+        for i, tr in enumerate(trs):
+            results.append(await tr if i % 2 else tr.wait(30))
+            assert all(prev.done() for prev in trs[:i])  # completion in submission order
+        assert all(r.success for r in results)
+        assert sorted(done) == list(range(200))
+        assert np.array_equal(off.cpu_tensors[0][:200], _np(t)[:200])
+
+
 @pytest.mark.parametrize("path", PATHS)
 def test_wait_polls_near_the_predicted_end_then_falls_back_to_the_thread(
         path: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -284,7 +309,7 @@ def test_wait_polls_near_the_predicted_end_then_falls_back_to_the_thread(
     the grace and the completion thread finishes the transfer. Timeouts still hold."""
     from kvasync._scheduler import DirectionQueue
 
-    monkeypatch.setattr(DirectionQueue, "LAZY_THREAD", True)  # opt-in mode
+    monkeypatch.setattr(DirectionQueue, "LAZY_THREAD", True)  # the default, pinned here
     torch = _torch()
     t = _u8((64, 4096), 9)
     with kv.Offloader(kv.KVCacheLayout.from_tensors([t]), 64) as off:
