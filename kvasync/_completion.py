@@ -8,7 +8,7 @@ then sets the loop futures, in completion order, on the loop's own thread.
 
 Hybrid polling ("hybrid" mode, the default): a thread wake costs tens of microseconds, far
 more than a small copy takes. So while a transfer some task awaits is predicted to end within
-`spin_window()` (the scheduler predicts each transfer's end from its bytes and the measured
+`SPIN_WINDOW` (the scheduler predicts each transfer's end from its bytes and the measured
 bandwidth), the resolver polls the direction's head event from the loop itself, yielding with
 ``sleep(0)`` between polls, and completes the transfer there. Far from the predicted end it
 sleeps on the wake-up from the completion thread (or a timer set just before the predicted
@@ -31,20 +31,10 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ._transfer import Transfer, TransferResult
 
-__all__ = ["SPIN_GRACE", "SPIN_WINDOW", "CompletionEngine", "spin_window"]
+__all__ = ["SPIN_GRACE", "SPIN_WINDOW", "CompletionEngine"]
 
 #: poll from the loop when an awaited transfer is predicted to end within this many seconds
 SPIN_WINDOW = 1.5e-3
-#: ... but for long transfers only this share of the predicted time left (at least
-#: `SPIN_MIN_WINDOW`): polling 1.5 ms of a 20 ms copy costs 7% of a core and gains only the
-#: completion thread's wake-up (~0.3 ms), so the window shrinks where the wake is cheap
-SPIN_SHARE = 0.03
-SPIN_MIN_WINDOW = 0.25e-3
-
-
-def spin_window(span: float) -> float:
-    """How long before its predicted end a transfer predicted to end in `span` s is polled."""
-    return min(SPIN_WINDOW, max(SPIN_MIN_WINDOW, SPIN_SHARE * span))
 #: stop polling a transfer this long after its predicted end (then wait for the thread)
 SPIN_GRACE = 2e-3
 
@@ -120,18 +110,17 @@ class _LoopResolver:
             now = time.perf_counter()
             soonest = None
             for q in queues:
-                times = q.head_times()
-                if times is None:
+                eta = q.head_eta()
+                if eta is None:
                     continue
-                spin_from, eta = times
                 if now - eta > SPIN_GRACE:  # mispredicted: leave it to the thread
                     continue
-                soonest = spin_from if soonest is None else min(soonest, spin_from)
+                soonest = eta if soonest is None else min(soonest, eta)
             if soonest is None:
                 break
-            if soonest > now:
+            if soonest - now > SPIN_WINDOW:
                 try:
-                    await asyncio.wait_for(self._event.wait(), soonest - now)
+                    await asyncio.wait_for(self._event.wait(), soonest - now - SPIN_WINDOW)
                 except asyncio.TimeoutError:
                     pass
                 continue

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._backends import Backend, Direction, Event, Stream
-from ._completion import SPIN_WINDOW, CompletionEngine, spin_window
+from ._completion import SPIN_WINDOW, CompletionEngine
 from ._descriptors import TransferPlan
 from ._errors import OffloaderBrokenError, OffloaderClosedError, TransferFailedError
 from ._transfer import Transfer, TransferResult
@@ -50,8 +50,6 @@ class _InFlight:
     order: Event | None
     submit_error: BaseException | None
     eta: float
-    #: when pollers start polling it (`eta` less `spin_window`)
-    spin_from: float
     finished: bool = False
 
 
@@ -181,11 +179,9 @@ class DirectionQueue:
             now = time.perf_counter()
             eta = max(now, self._tail_eta) + self.latency + plan.nbytes / self.bandwidth
             self._tail_eta = eta
-            spin_from = eta - spin_window(eta - now)
-            rec = _InFlight(transfer, plan, stream, start, end, order, error, eta, spin_from)
+            rec = _InFlight(transfer, plan, stream, start, end, order, error, eta)
             transfer._queue = self
             transfer._eta = eta
-            transfer._spin_from = spin_from
             self._fifo.append(rec)  # deque appends are atomic; order is set by self._lock
             if not self.lazy:
                 self._pending.put(rec)
@@ -301,14 +297,13 @@ class DirectionQueue:
             head.end.synchronize()
             self.poll()
 
-    def head_times(self) -> tuple[float, float] | None:
-        """(poll from, predicted end), perf_counter, of the oldest unfinished transfer."""
+    def head_eta(self) -> float | None:
+        """Predicted completion time (perf_counter) of the oldest unfinished transfer."""
         fifo = self._fifo
         try:
-            head = fifo[0]
+            return fifo[0].eta
         except IndexError:
             return None
-        return head.spin_from, head.eta
 
     def poll(self) -> int:
         """Complete, in order, every head transfer whose end event is done; never blocks.

@@ -15,7 +15,7 @@ from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ._completion import SPIN_GRACE
+from ._completion import SPIN_GRACE, SPIN_WINDOW
 from ._errors import TransferFailedError
 
 if TYPE_CHECKING:
@@ -49,7 +49,6 @@ class Transfer:
         "_queue",
         "_resolvers",
         "_result",
-        "_spin_from",
         "direction",
         "job_id",
         "nbytes",
@@ -70,8 +69,6 @@ class Transfer:
         #: the DirectionQueue running it and its predicted completion time (perf_counter)
         self._queue: Any = None
         self._eta = 0.0
-        #: when awaiters and waiters start polling it (see `_completion.spin_window`)
-        self._spin_from = 0.0
 
     def __repr__(self) -> str:
         state = "pending"
@@ -110,7 +107,7 @@ class Transfer:
         """Block this thread until done (no event loop needed); TimeoutError after `timeout`.
 
         With the lazy completion thread (`DirectionQueue.LAZY_THREAD`, CUDA, the default): it
-        sleeps until `spin_window()` before the predicted end, then polls the direction itself
+        sleeps until `SPIN_WINDOW` before the predicted end, then polls the direction itself
         until the end plus `SPIN_GRACE`, then sleeps again (the completion thread's wake-up
         took 0.3-0.4 ms after a 1 GiB copy on the H200 host).
         """
@@ -118,7 +115,7 @@ class Transfer:
         deadline = None if timeout is None else start + timeout
         q = self._queue
         if not self.done() and q is not None and q.lazy:  # polling callers
-            lead = self._spin_from - start
+            lead = self._eta - SPIN_WINDOW - start
             if lead > 0:
                 with self._cond:
                     self._cond.wait_for(self.done, lead if timeout is None else min(
@@ -158,7 +155,7 @@ class Transfer:
             # between loop iterations (no resolver hop, no thread wake: ~10 us after the
             # copy ends); past the predicted end plus a grace it falls back to the future
             now = time.perf_counter()
-            if now >= self._spin_from:
+            if self._eta - now <= SPIN_WINDOW:
                 deadline = max(self._eta, now) + SPIN_GRACE
                 poll = q.poll
                 while True:

@@ -336,34 +336,3 @@ async def test_lazy_thread_with_awaiters_and_waiters(monkeypatch: pytest.MonkeyP
             for k in range(2):
                 assert bytes(off.cpu_tensors[k][i]) == bytes(gpu[k][i])
                 assert bytes(gpu[k][i + 30]) == bytes(gpu[k][i])
-
-
-def test_spin_window_is_short_for_long_transfers_and_covers_short_ones() -> None:
-    """Pollers start `spin_window(span)` before a predicted end: never more than
-    `SPIN_WINDOW`, never less than `SPIN_MIN_WINDOW` (so a 4 KiB copy, predicted to take tens
-    of microseconds, is polled at once), and a few percent of a long copy's predicted time."""
-    from kvasync._completion import SPIN_MIN_WINDOW, SPIN_WINDOW, spin_window
-
-    assert spin_window(20e-6) == SPIN_MIN_WINDOW > 20e-6
-    assert spin_window(0.0) == SPIN_MIN_WINDOW
-    assert spin_window(10.0) == SPIN_WINDOW
-    assert SPIN_MIN_WINDOW < spin_window(20e-3) <= 0.05 * 20e-3
-    spans = [i * 1e-4 for i in range(1000)]
-    windows = [spin_window(s) for s in spans]
-    assert windows == sorted(windows)  # longer predicted time, never a shorter window
-
-
-def test_submission_records_when_pollers_start(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each transfer carries its poll-from time (its predicted end less the window) and the
-    queue reports (poll from, predicted end) of its head."""
-    from kvasync._completion import SPIN_MIN_WINDOW, SPIN_WINDOW
-
-    gpu, off = _lazy_offloader(monkeypatch)
-    with off:
-        q = off._queues[("d2h", False)]
-        t = off.store([1], [1])
-        window = t._eta - t._spin_from
-        assert SPIN_MIN_WINDOW - 1e-9 <= window <= SPIN_WINDOW + 1e-9
-        times = q.head_times()
-        assert times is None or times[0] <= times[1]
-        t.wait(10)

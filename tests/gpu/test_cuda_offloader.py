@@ -328,7 +328,7 @@ def test_wait_polls_near_the_predicted_end_then_falls_back_to_the_thread(
         with torch.cuda.stream(side):
             torch.cuda._sleep(100_000_000)
         held = off.load([1], [40], stream=side, path=path)
-        held._eta = held._spin_from = 0.0  # "predicted to have ended already": poll for the grace, then sleep
+        held._eta = 0.0  # "predicted to have ended already": poll for the grace, then sleep
         with pytest.raises(TimeoutError):
             held.wait(0.001)
         assert calls > 0 and not held.done()
