@@ -7,6 +7,7 @@ NumPy copies of the data (the host backend executes plain `memmove`s of `plan.fl
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import numpy as np
@@ -287,17 +288,21 @@ async def test_both_completion_threads_resolve_awaits_and_waits_in_order(
     monkeypatch.setattr(DirectionQueue, "LAZY_THREAD", lazy)
     t = _u8((256, 4096), 13)
     with kv.Offloader(kv.KVCacheLayout.from_tensors([t]), 256) as off:
-        assert off._queues[("h2d", False)].lazy is lazy
+        assert off._queues[("d2h", False)].lazy is lazy
         done: list[int] = []
         trs = [off.store([i], [i]) for i in range(200)]
         for i, tr in enumerate(trs):
             tr.add_done_callback(lambda _t, i=i: done.append(i))
-        results = []
-        for i, tr in enumerate(trs):
-            results.append(await tr if i % 2 else tr.wait(30))
-            assert all(prev.done() for prev in trs[:i])  # completion in submission order
+        # the newest first: once it is done, every older one must be (in-order completion)
+        last = await trs[-1] if lazy else trs[-1].wait(30)
+        assert last.success and all(tr.done() for tr in trs)
+        results = [await tr if i % 2 else tr.wait(30) for i, tr in enumerate(trs)]
         assert all(r.success for r in results)
-        assert sorted(done) == list(range(200))
+        # callbacks run just after the result is visible: give the last one time to run
+        deadline = time.monotonic() + 10
+        while len(done) < 200 and time.monotonic() < deadline:
+            await asyncio.sleep(0.001)
+        assert done == list(range(200))  # callbacks run in completion order
         assert np.array_equal(off.cpu_tensors[0][:200], _np(t)[:200])
 
 
