@@ -11,10 +11,13 @@ Submission (caller's thread, under the direction's lock), for every transfer:
 
 Completion: a daemon thread per direction takes transfers in FIFO order, sleeps in the end
 event's blocking wait, then completes the `Transfer` (result or failure) and recycles its
-stream and events. Because end events of one direction complete in order, results are
-reported in submission order. A failure fails that transfer and, through the event chain,
-every transfer queued behind it in the direction; the direction then refuses new work
-(`OffloaderBrokenError`) until the offloader is closed.
+stream and events. On CUDA the thread is lazy by default (`LAZY_THREAD`, see `_lazy_loop`):
+transfers predicted to end soon are left to the awaiters and waiters that poll the queue,
+and the thread looks at them only after their predicted end. Because end events of one
+direction complete in order, results are reported in submission order. A failure fails
+that transfer and, through the event chain, every transfer queued behind it in the
+direction; the direction then refuses new work (`OffloaderBrokenError`) until the
+offloader is closed.
 """
 
 from __future__ import annotations
