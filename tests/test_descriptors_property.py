@@ -9,7 +9,13 @@ from hypothesis import strategies as st
 from oracle import Ref, Side, byte_map, copies
 
 import kvasync as kv
-from kvasync._descriptors import SideGeometry, build_plan, build_ref_table, coalesce
+from kvasync._descriptors import (
+    SideGeometry,
+    build_plan,
+    build_ref_table,
+    coalesce,
+    split_plan,
+)
 from kvasync._layout import CopyRun, KVCacheLayout, KVRef, KVTensor, PageMapping
 
 BIG = 1 << 40  # fake, widely spaced base addresses: the math must be 64-bit
@@ -66,7 +72,12 @@ def scenario(draw: st.DrawFn) -> dict:  # type: ignore[type-arg]
         cpu_ids += list(used_chunks[cpos : cpos + nchunks])
         cpos += nchunks
     row_pad = [draw(st.integers(0, 3)) for _ in range(num_tensors)]
-    return dict(bpc=bpc, pages=pages, num_blocks=num_blocks, num_chunks=num_chunks,
+    # layers for a layer-wise split: a partition of the tensors into non-empty sets
+    lorder = draw(st.permutations(list(range(num_tensors))))
+    lcuts = sorted(set(draw(st.lists(st.integers(1, max(1, num_tensors - 1)), max_size=3))))
+    lcuts = [c for c in lcuts if 0 < c < num_tensors]
+    layers = [sorted(lorder[a:b]) for a, b in zip([0, *lcuts], [*lcuts, num_tensors])]
+    return dict(layers=layers, bpc=bpc, pages=pages, num_blocks=num_blocks, num_chunks=num_chunks,
                 groups=groups_t, canonical=canonical, mappings=mappings, canon_pages=canon_pages,
                 store=store, gsizes=gsizes, bidx=bidx, gpu=gpu_ids, cpu=cpu_ids, row_pad=row_pad)
 
@@ -131,6 +142,18 @@ def test_plan_matches_oracle(s: dict) -> None:  # type: ignore[type-arg]
     if len(ramp) > 1:
         assert slots[0] == 1 and all(n <= k for n in slots)
         assert all(b <= 4 * a for a, b in zip(slots, slots[1:]))
+    # a layer-wise split: each layer copies exactly the descriptors of its tensors
+    def gpu_tensor(d: tuple[int, int, int]) -> int:
+        addr = d[0] if s["store"] else d[1]
+        return next(i for i in range(n_t) if gpu.base[i] <= addr < gpu.base[i] + BIG // 2)
+
+    split = split_plan(plan, s["layers"])
+    assert len(split) == len(s["layers"])
+    for layer, part in zip(s["layers"], split):
+        want = sorted(d for d in got if gpu_tensor(d) in layer)
+        assert sorted(zip(*(a.tolist() for a in part.flat()))) == want
+        assert part.nbytes == sum(z for _, _, z in want)
+        assert part.num_descriptors == len(want)
     # coalescing copies exactly the same bytes
     cs, cd, cz = coalesce(src, dst, sizes)
     assert byte_map(list(zip(cs.tolist(), cd.tolist(), cz.tolist()))) == byte_map(expected)
