@@ -118,11 +118,14 @@ def test_plan_matches_oracle(s: dict) -> None:  # type: ignore[type-arg]
     assert got == expected
     assert plan.nbytes == sum(z for _, _, z in expected)
     assert plan.num_descriptors == len(expected)
+    def tensor_at(geo: SideGeometry, addr: int) -> int:
+        return next(i for i in range(n_t) if geo.base[i] <= addr < geo.base[i] + BIG // 2)
+
     # every descriptor lies inside its tensors (GPU block row / host chunk row)
     for a, b, z in got:
         for addr, geo, rows in ((a, gpu if s["store"] else host, None),
                                 (b, host if s["store"] else gpu, None)):
-            t = next(i for i in range(n_t) if geo.base[i] <= addr < geo.base[i] + BIG // 2)
+            t = tensor_at(geo, addr)
             row = (addr - geo.base[t]) // geo.row_stride[t]
             assert row < geo.num_rows[t]
             off_in_row = addr - geo.base[t] - row * geo.row_stride[t]
@@ -143,14 +146,10 @@ def test_plan_matches_oracle(s: dict) -> None:  # type: ignore[type-arg]
         assert slots[0] == 1 and all(n <= k for n in slots)
         assert all(b <= 4 * a for a, b in zip(slots, slots[1:]))
     # a layer-wise split: each layer copies exactly the descriptors of its tensors
-    def gpu_tensor(d: tuple[int, int, int]) -> int:
-        addr = d[0] if s["store"] else d[1]
-        return next(i for i in range(n_t) if gpu.base[i] <= addr < gpu.base[i] + BIG // 2)
-
     split = split_plan(plan, s["layers"])
     assert len(split) == len(s["layers"])
     for layer, part in zip(s["layers"], split):
-        want = sorted(d for d in got if gpu_tensor(d) in layer)
+        want = sorted(d for d in got if tensor_at(gpu, d[0] if s["store"] else d[1]) in layer)
         assert sorted(zip(*(a.tolist() for a in part.flat()))) == want
         assert part.nbytes == sum(z for _, _, z in want)
         assert part.num_descriptors == len(want)
