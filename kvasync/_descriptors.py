@@ -674,12 +674,12 @@ def split_plan(plan: TransferPlan, layers: Sequence[Sequence[int]]) -> list[Tran
         layer_of[np.asarray(list(tensors), dtype=np.int64)] = i
     per_layer: list[list[Segment]] = [[] for _ in range(n_layers)]
     sizes = [[0, 0] for _ in range(n_layers)]  # bytes, descriptor count
+    zero = np.zeros(1, dtype=np.int64)
     for seg in plan.segments:
         lay = layer_of[table.tensor_idx[seg.refs]]
         order = np.argsort(lay, kind="stable")
         rows_sorted = seg.refs[order]
         bounds = np.searchsorted(lay[order], np.arange(n_layers + 1))
-        zero = np.zeros(1, dtype=np.int64)
         bytes_cs = np.concatenate((zero, np.cumsum(table.bytes_per_block[rows_sorted])))
         frags_cs = np.concatenate((zero, np.cumsum(table.frag_count[rows_sorted])))
         k = len(seg.src_slots)
