@@ -64,6 +64,11 @@ async def test_many_awaiters_resolve_in_submission_order(gate: Gate) -> None:
         gate.open()
 
     await asyncio.gather(*(waiter(t) for t in transfers for _ in range(3)), release())
+    # awaiters are told before callbacks run (both from the completion thread), so the
+    # last callbacks may still be on their way when gather() returns
+    deadline = time.monotonic() + 10
+    while len(order) < n and time.monotonic() < deadline:
+        await asyncio.sleep(0.001)
     assert order == list(range(n))
     assert len(awaited) == 3 * n and sorted(awaited) == sorted(list(range(n)) * 3)
     # awaiters were resolved by one task in completion order
