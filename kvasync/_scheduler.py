@@ -167,8 +167,8 @@ class DirectionQueue:
                 if plan.nbytes <= self._piece_bytes(path):
                     self.backend.enqueue_copy(stream, plan, self.direction, path)
                 else:
-                    for piece in plan.pieces(*self._piece_slots(plan, path)):
-                        self.backend.enqueue_copy(stream, piece, self.direction, path)
+                    self.backend.enqueue_pieces(stream, plan.pieces(*self._piece_slots(plan, path)),
+                                                self.direction, path)
             except Exception as exc:  # an API error: the copy never got (fully) enqueued
                 error = exc
             stream.record(end)

@@ -68,3 +68,64 @@ def test_layerwise_rejects_bad_layer_specs() -> None:
             off.load_layerwise([0], [0], layers=bad)
     assert off.load_layerwise([0], [1]).wait(5).bytes == 3 * 8
     off.close()
+
+
+@pytest.fixture
+def small_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pieces of 8 then 16 slots of 256 KiB, so a 64-block transfer is cut into five."""
+    from kvasync._scheduler import DirectionQueue
+
+    for name, value in (("PIECE_BYTES", 4 << 20), ("KERNEL_PIECE_BYTES", 4 << 20),
+                        ("FIRST_PIECE_BYTES", 2 << 20), ("MIN_PIECE_SLOTS", 1),
+                        ("MIN_FIRST_SLOTS", 1)):
+        monkeypatch.setattr(DirectionQueue, name, value)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("join_every", [0, 2])
+async def test_pieced_transfers_keep_call_order_and_wait_for_compute(
+    backend_case: tuple[str, str], mem: Mem, small_pieces: None, join_every: int,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Big transfers go piece by piece (on CUDA's DMA path, whole pieces round-robin over
+    the helper streams, joined once or every `join_every` pieces): a second store into the
+    same chunks still wins, and a load lands after the compute stream's earlier writes."""
+    backend, path = backend_case
+    page, blocks = 256 * 1024, 64
+    gpu = [mem.rand_u8((blocks, page), seed=3)]
+    off = kv.Offloader(kv.KVCacheLayout.from_tensors(gpu), blocks, backend=backend,
+                       copy_path=path)
+    be = off.backend
+    monkeypatch.setattr(type(be), "FAN_JOIN_PIECES", join_every, raising=False)
+    calls: list[int] = []
+    real = be.enqueue_pieces
+
+    def spy(stream: object, pieces: list[object], *a: object) -> None:
+        calls.append(len(pieces))
+        real(stream, pieces, *a)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(be, "enqueue_pieces", spy)
+    rng = np.random.default_rng(9)
+    first, second = rng.permutation(blocks).tolist(), rng.permutation(blocks).tolist()
+    chunks = rng.permutation(blocks).tolist()
+    counts = dict(getattr(be, "counts", {}))
+    off.store(first, chunks)
+    await off.store(second, chunks)  # same chunks, called later: must win
+    assert calls == [5, 5]
+    expect = mem.to_numpy(gpu[0])[second]
+    for i, c in enumerate(chunks):
+        np.testing.assert_array_equal(off.cpu_tensors[0][c], expect[i])
+    if backend == "cuda" and path == "dma" and getattr(be, "batch_available", False):
+        assert be.counts["dma_fanned"] - counts["dma_fanned"] == 10  # every piece fanned
+    if backend == "cuda":
+        import torch
+
+        torch.cuda._sleep(50_000_000)  # a long kernel, then zeroing, on the compute stream
+        gpu[0][first] = 0
+        await off.load(chunks, first)
+        torch.cuda.synchronize()
+    else:
+        await off.load(chunks, first)
+    assert calls == [5, 5, 5]
+    np.testing.assert_array_equal(mem.to_numpy(gpu[0])[first], expect)
+    await off.aclose()

@@ -17,7 +17,7 @@ Semantics every backend keeps (they are CUDA's):
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -128,6 +128,15 @@ class Backend(ABC):
         self, stream: Stream, plan: TransferPlan, direction: Direction, path: str
     ) -> None:
         """Enqueue the copies of `plan` on `stream` using copy path `path`."""
+
+    def enqueue_pieces(
+        self, stream: Stream, pieces: Sequence[TransferPlan], direction: Direction, path: str
+    ) -> None:
+        """Enqueue the pieces of one big transfer on `stream`, in order (one `enqueue_copy`
+        each; a backend may share set-up between them, and the pieces may run in any order
+        among themselves, as the copies of one batch do)."""
+        for piece in pieces:
+            self.enqueue_copy(stream, piece, direction, path)
 
     def resolve_path(
         self, path: str, direction: Direction, plan: TransferPlan, host_pinned: bool

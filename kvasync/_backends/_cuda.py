@@ -36,7 +36,7 @@ import sys
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -272,6 +272,57 @@ class _Fan:
             fork = cp.cuda.Event(disable_timing=True)
             joins = [cp.cuda.Event(disable_timing=True) for _ in range(ways)]
         return cls(owners, [int(o.ptr) for o in owners], fork, joins)
+
+
+class _FanRound:
+    """Helper streams forked off one main stream for a stretch of DMA batches, then joined.
+
+    `helper()` hands out the helper streams round-robin; each one, at its first use, waits
+    for a fork event recorded on the main stream (cudaEventRecord + cudaStreamWaitEvent),
+    so it starts after everything enqueued on the main stream before. `join()` records an
+    event on each helper used and makes the main stream wait for it, so what follows on
+    the main stream stays in order; it must run even if a batch call failed.
+
+    The helpers belong to the main stream (one submitter at a time, under its queue's
+    lock), and the events are re-recorded per round: a wait takes the record made before
+    it, so reuse is safe.
+    """
+
+    __slots__ = ("backend", "fan", "main", "next", "used", "ways")
+
+    def __init__(self, backend: CudaBackend, stream: CudaStream, ways: int) -> None:
+        self.backend, self.main, self.ways = backend, stream.ptr, ways
+        self.fan: _Fan | None = None  # looked up (or created) at the first helper()
+        self.used = 0  # helpers forked in this round: 0..ways
+        self.next = 0
+
+    def helper(self) -> int:
+        """The next helper stream's handle, forked off the main stream at its first use."""
+        fan = self.fan
+        if fan is None:
+            fan = self.backend._fans.get(self.main)
+            if fan is None or len(fan.streams) < self.ways:
+                fan = self.backend._fans[self.main] = _Fan.create(self.backend, self.ways)
+            self.fan = fan
+        rt = cupy().cuda.runtime
+        i = self.next
+        self.next = (i + 1) % self.ways
+        if i >= self.used:
+            if self.used == 0:
+                rt.eventRecord(fan.fork.ptr, self.main)
+            rt.streamWaitEvent(fan.streams[i], fan.fork.ptr, 0)
+            self.used = i + 1
+        return fan.streams[i]
+
+    def join(self) -> None:
+        """The main stream waits for every helper used since the last join."""
+        fan = self.fan
+        if fan is not None:
+            rt = cupy().cuda.runtime
+            for i in range(self.used):
+                rt.eventRecord(fan.joins[i].ptr, fan.streams[i])
+                rt.streamWaitEvent(self.main, fan.joins[i].ptr, 0)
+        self.used = self.next = 0
 
 
 # -- calibration --------------------------------------------------------------------------------
@@ -689,33 +740,72 @@ class CudaBackend(Backend):
     def enqueue_copy(
         self, stream: Stream, plan: TransferPlan, direction: Direction, path: str
     ) -> None:
+        cuda_stream, path = self._concrete(stream, plan, direction, path)
+        if cuda_stream._error is not None:
+            return  # the stream failed: its next event carries the error
+        if plan.num_descriptors == 0:
+            return
+        self._enqueue(cuda_stream, plan, direction, path)
+
+    def enqueue_pieces(
+        self, stream: Stream, pieces: Sequence[TransferPlan], direction: Direction, path: str
+    ) -> None:
+        """The pieces of one transfer; their fanned-out DMA batches share one fork and one
+        join of the helper streams, whole pieces round-robin (`FAN_JOIN_PIECES`)."""
+        if len(pieces) < 2 or (path != "dma" and path != "auto") or self._batch is None:
+            super().enqueue_pieces(stream, pieces, direction, path)
+            return
+        fan: _FanRound | None = None
+        try:
+            for k, piece in enumerate(pieces):
+                cuda_stream, concrete = self._concrete(stream, piece, direction, path)
+                if cuda_stream._error is not None:
+                    return
+                if piece.num_descriptors == 0:
+                    continue
+                if concrete == "dma" and fan is None:
+                    fan = _FanRound(self, cuda_stream, self.FAN_OUT)
+                if fan is not None and self.FAN_JOIN_PIECES and k % self.FAN_JOIN_PIECES == 0:
+                    fan.join()
+                self._enqueue(cuda_stream, piece, direction, concrete,
+                              fan if concrete == "dma" else None)
+        finally:
+            if fan is not None:
+                fan.join()
+
+    def _concrete(self, stream: Stream, plan: TransferPlan, direction: Direction,
+                  path: str) -> tuple[CudaStream, str]:
+        """`stream` and `path` (resolved) checked: InvalidTransferError before anything is
+        enqueued."""
         if path == "auto":
             path = self.resolve_path(path, direction, plan, True)
         if path not in _PATHS:
             raise InvalidTransferError(f"unknown copy path {path!r}; choose one of {self.paths}")
         if not isinstance(stream, CudaStream):
             raise InvalidTransferError(f"expected a CudaStream, got {type(stream).__name__}")
-        if stream._error is not None:
-            return  # the stream failed: its next event carries the error
-        if plan.num_descriptors == 0:
-            return
-        self._enqueue(stream, plan, direction, path)
+        return stream, path
 
     def _enqueue(self, stream: CudaStream, plan: TransferPlan, direction: Direction,
-                 path: str) -> None:
+                 path: str, fan: _FanRound | None = None) -> None:
         if self._closed:
             raise TransferFailedError("the cuda backend is closed")
         if not self._ready:
             self.warm_up()
         if path == "kernel" and self._kernel_error is not None:
             raise TransferFailedError(f"copy kernels unavailable: {self._kernel_error}")
-        copy = self._kernel_copy if path == "kernel" else self._dma_copy
         if cupy().cuda.runtime.getDevice() == self.device_id:  # cheaper than a Device()
-            copy(stream, plan, direction)
+            self._copy(stream, plan, direction, path, fan)
         else:
             with self._device():
-                copy(stream, plan, direction)
+                self._copy(stream, plan, direction, path, fan)
         self.counts[path] += 1
+
+    def _copy(self, stream: CudaStream, plan: TransferPlan, direction: Direction, path: str,
+              fan: _FanRound | None) -> None:
+        if path == "kernel":
+            self._kernel_copy(stream, plan, direction)
+        else:
+            self._dma_copy(stream, plan, direction, fan)
 
     def _kernel_copy(self, stream: CudaStream, plan: TransferPlan, direction: Direction
                      ) -> None:
@@ -793,7 +883,11 @@ class CudaBackend(Backend):
     #: against 7.6 us + 0.5 us per descriptor, measured on the H200)
     EACH_RUNS = 4
 
-    def _dma_copy(self, stream: CudaStream, plan: TransferPlan, direction: Direction) -> None:
+    def _dma_copy(self, stream: CudaStream, plan: TransferPlan, direction: Direction,
+                  fan: _FanRound | None = None) -> None:
+        """`fan`: the helper round of a multi-piece transfer, which takes a fanned batch
+        whole onto its next helper stream (else the batch is split over a round of its
+        own)."""
         batch = self._batch if stream.ptr not in (0, 1) else None  # None: batch call disabled
         runs = plan.runs()  # small whole-page plans: Python ints, no NumPy
         if runs is not None:
@@ -810,10 +904,13 @@ class CudaBackend(Backend):
             _cudart.ACCESS_ORDER_ANY)
         src_dev, dst_dev = (self.device_id, -1) if direction == "d2h" else (
             -1, self.device_id)
-        ways = self._fan_ways(sizes)
+        ways = self._fan_ways(sizes, whole=fan is not None)
         try:
             if ways == 1:
                 batch(src, dst, sizes, stream.ptr, order, src_dev, dst_dev)
+            elif fan is not None:
+                batch(src, dst, sizes, fan.helper(), order, src_dev, dst_dev)
+                self.counts["dma_fanned"] += 1
             else:
                 self._batch_fanned(batch, src, dst, sizes, stream, ways, order, src_dev,
                                    dst_dev)
@@ -828,10 +925,16 @@ class CudaBackend(Backend):
     #: 52.6 / 53.8 -> 53.4 / 54.5; 16 KiB pages got slower (the driver is their limit)
     FAN_OUT = 4
     FAN_MIN_BYTES = 128 << 10
+    #: a multi-piece transfer forks the helpers once and joins them after its last piece
+    #: (0), or every this many pieces: a fork and join per 32 MiB piece cost ~17 API calls,
+    #: which showed as CPU time while a 20 ms transfer was awaited
+    FAN_JOIN_PIECES = 0
 
-    def _fan_ways(self, sizes: np.ndarray) -> int:
+    def _fan_ways(self, sizes: np.ndarray, whole: bool = False) -> int:
+        """Helper streams for a batch (1: none); `whole`: it goes onto one helper of a
+        multi-piece round, so it need not be long enough to be sliced."""
         n = len(sizes)
-        if self.FAN_OUT < 2 or n < 2 * self.FAN_OUT:
+        if self.FAN_OUT < 2 or n < (2 if whole else 2 * self.FAN_OUT):
             return 1
         if int(sizes.sum()) < self.FAN_MIN_BYTES * n:
             return 1
@@ -840,33 +943,18 @@ class CudaBackend(Backend):
     def _batch_fanned(self, batch: _cudart.BatchCopier, src: np.ndarray, dst: np.ndarray,
                       sizes: np.ndarray, stream: CudaStream, ways: int, order: int,
                       src_dev: int, dst_dev: int) -> None:
-        """Fork `ways` helper streams off `stream` (they wait for an event recorded on it),
-        give each a contiguous slice of the descriptors, and join them back (`stream`
-        waits for each helper's event), so what follows on `stream` stays in order.
-
-        The helpers belong to `stream` (the caller submits to one stream at a time, under
-        its queue's lock), and their events are re-recorded per call: a wait takes the
-        record made before it, so reuse is safe (cudaEventRecord/cudaStreamWaitEvent).
-        """
-        rt = cupy().cuda.runtime
-        fan = self._fans.get(stream.ptr)
-        if fan is None or len(fan.streams) < ways:
-            fan = self._fans[stream.ptr] = _Fan.create(self, ways)
-        rt.eventRecord(fan.fork.ptr, stream.ptr)
+        """One batch split into `ways` contiguous slices, one per helper stream, forked off
+        and joined back to `stream` around it (see `_FanRound`)."""
+        fan = _FanRound(self, stream, ways)
         n = len(sizes)
         bounds = [n * i // ways for i in range(ways + 1)]
-        joined = 0
         try:
             for i in range(ways):
                 lo, hi = bounds[i], bounds[i + 1]
-                helper = fan.streams[i]
-                rt.streamWaitEvent(helper, fan.fork.ptr, 0)
-                joined = i + 1  # from here on the helper must be joined back
-                batch(src[lo:hi], dst[lo:hi], sizes[lo:hi], helper, order, src_dev, dst_dev)
+                batch(src[lo:hi], dst[lo:hi], sizes[lo:hi], fan.helper(), order, src_dev,
+                      dst_dev)
         finally:
-            for i in range(joined):
-                rt.eventRecord(fan.joins[i].ptr, fan.streams[i])
-                rt.streamWaitEvent(stream.ptr, fan.joins[i].ptr, 0)
+            fan.join()
         self.counts["dma_fanned"] += 1
 
     def _memcpy_runs(self, runs: Iterable[tuple[int, int, int]], stream: CudaStream) -> None:
