@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import logging
 import mmap
+import weakref
 from collections.abc import Callable
 
 import numpy as np
 
 from ._backends._base import HostMemory
 
-__all__ = ["MAX_REGISTER_CHUNK_BYTES", "alloc_mmap", "pin_chunks", "unpin_chunks"]
+__all__ = ["MAX_REGISTER_CHUNK_BYTES", "alloc_mmap", "pin_chunks", "unpin_chunks",
+           "unpin_on_collect"]
 
 log = logging.getLogger("kvasync")
 
@@ -100,4 +102,22 @@ def host_memory(
             # views handed out still exist; the mapping is freed when they are collected
             pass
 
-    return HostMemory(ptr, len(arr), arr, pinned is not None, release)
+    mem = HostMemory(ptr, len(arr), arr, pinned is not None)
+    mem._release = unpin_on_collect(mem, release)
+    return mem
+
+
+def unpin_on_collect(owner: object, release: Callable[[], object]) -> weakref.finalize[[], object]:
+    """`release` as a once-only callable that also runs when `owner` is collected unreleased.
+
+    An owner dropped without being closed (a test that failed half-way, a notebook cell run
+    again) would otherwise leave its chunks registered while the mapping under them is
+    unmapped: the driver keeps the stale pinned pages, a later mapping at the same address
+    cannot be registered ("already registered"), and DMA to that address lands in the stale
+    pages. The finalizer runs while the owner still holds its mapping (weakref callbacks run
+    before its attributes are cleared), so chunks are always unregistered before the unmap.
+    Not at interpreter exit: the process's pages go away with it.
+    """
+    fin = weakref.finalize(owner, release)
+    fin.atexit = False
+    return fin

@@ -31,6 +31,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
+from functools import partial
 from typing import Literal
 
 import numpy as np
@@ -41,7 +42,14 @@ from ._errors import (
     SharedRegionError,
     SharedRegionTimeoutError,
 )
-from ._hostmem import MAX_REGISTER_CHUNK_BYTES, Register, Unregister, pin_chunks, unpin_chunks
+from ._hostmem import (
+    MAX_REGISTER_CHUNK_BYTES,
+    Register,
+    Unregister,
+    pin_chunks,
+    unpin_chunks,
+    unpin_on_collect,
+)
 
 __all__ = [
     "MADV_POPULATE_WRITE",
@@ -121,6 +129,8 @@ class SharedHostRegion:
         self._fd = -1
         # closes the fd if close() is never called (the mapping closes itself on collection)
         self._fd_closer: weakref.finalize[[int], SharedHostRegion] | None = None
+        # unregisters the pinned chunks if close() is never called, before the unmap
+        self._unpinner: weakref.finalize[[], object] | None = None
         self._ident: tuple[int, int] | None = None  # (st_dev, st_ino) of our file
         self._creator = False
         self._unlinked = False
@@ -419,6 +429,7 @@ class SharedHostRegion:
                 return False
             self._pinned = addrs
             self._unregister = unregister
+            self._unpinner = unpin_on_collect(self, partial(unpin_chunks, addrs, unregister))
             self._is_pinned = True
             return True
 
@@ -446,8 +457,9 @@ class SharedHostRegion:
             pass
 
     def _release(self) -> None:
-        if self._is_pinned and self._unregister is not None:
-            unpin_chunks(self._pinned, self._unregister)
+        unpinner, self._unpinner = self._unpinner, None
+        if unpinner is not None:
+            unpinner()  # unregisters self._pinned in reverse, once
         self._pinned = []
         self._is_pinned = False
         self._unregister = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import gc
 import mmap
 import os
 import signal
@@ -18,6 +19,7 @@ import region_procs as procs
 
 import kvasync as kv
 import kvasync._region as reg
+from kvasync._hostmem import host_memory
 from kvasync._region import (
     RegionOverflowError,
     SharedHostRegion,
@@ -644,6 +646,50 @@ def test_pin_failure_at_chunk_k_rolls_back(names: Names, k: int) -> None:
     assert not region.is_pinned and region.pinned_addresses == []
     region.close()
     assert len(rt.unregistered) == k  # nothing left to unregister
+
+
+class MappedRuntime(FakeRuntime):
+    """Also reads the first byte of each chunk as it is unregistered: that segfaults if the
+    mapping under it is already gone, so an unregister after the unmap cannot pass."""
+
+    def unregister(self, ptr: int) -> bool:
+        ctypes.c_uint8.from_address(ptr).value
+        return super().unregister(ptr)
+
+
+def test_a_region_collected_unclosed_unpins_before_its_mapping_goes(names: Names) -> None:
+    rt = MappedRuntime()
+    region = SharedHostRegion(names(), 5, 3 * PAGE, 0, 1)
+    assert region.pin(rt.register, rt.unregister, cap=7 * PAGE)
+    chunks = region.pinned_addresses
+    del region
+    gc.collect()
+    assert rt.unregistered == chunks[::-1]
+
+
+@pytest.mark.parametrize("keep_view", [False, True])
+def test_host_memory_collected_unreleased_unpins_before_the_unmap(keep_view: bool) -> None:
+    rt = MappedRuntime()
+    mem = host_memory(10 * PAGE, 2 * PAGE, rt.register, rt.unregister, cap=4 * PAGE)
+    assert mem.pinned and len(rt.registered) == 3
+    mem.array[:] = 7
+    view = mem.array[PAGE:] if keep_view else None
+    ptrs = [p for p, _ in rt.registered]
+    del mem
+    gc.collect()
+    assert rt.unregistered == ptrs[::-1]
+    if view is not None:
+        assert int(view.sum()) == 7 * 9 * PAGE  # a live view keeps its pages mapped
+
+
+def test_host_memory_release_unpins_once() -> None:
+    rt = MappedRuntime()
+    mem = host_memory(4 * PAGE, PAGE, rt.register, rt.unregister)
+    mem.release()
+    mem.release()
+    del mem
+    gc.collect()
+    assert len(rt.unregistered) == 1
 
 
 def test_a_row_larger_than_the_cap_is_registered_whole(names: Names) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -43,7 +44,14 @@ def test_soak_random_transfers_match_the_oracle(backend_path: tuple[str, str, fl
     gpu = [mem.rand_u8((blocks, p), seed=i) for i, p in enumerate(pages)]
     groups = [[kv.KVRef(0), kv.KVRef(1)], [kv.KVRef(2), kv.KVRef(3, page_size_bytes=24)]]
     layout = kv.KVCacheLayout([kv.KVTensor(t) for t in gpu], groups)
-    off = kv.Offloader(layout, chunks, bpc, backend=backend, copy_path=path)
+    with kv.Offloader(layout, chunks, bpc, backend=backend, copy_path=path) as off:
+        _soak(off, backend, path, gpu, mem, rng, time_limit, bpc, blocks, chunks)
+    assert off._resources()["completion_threads"] == 0
+
+
+def _soak(off: kv.Offloader, backend: str, path: str, gpu: list[Any], mem: Mem,
+          rng: np.random.Generator, time_limit: float, bpc: int, blocks: int,
+          chunks: int) -> None:
     cpu = off.cpu_tensors
     for c in cpu:
         c[:] = rng.integers(0, 256, c.shape, dtype=np.uint8)
@@ -135,8 +143,6 @@ def test_soak_random_transfers_match_the_oracle(backend_path: tuple[str, str, fl
     assert done >= min(N_OPS, 5000), f"only {done} transfers in {time_limit} s"
     assert rss1 - rss0 < 64 * 2**20, "memory grew during the soak"
     assert off.backend.name == backend
-    off.close()
-    assert off._resources()["completion_threads"] == 0
 
 
 @pytest.mark.asyncio
