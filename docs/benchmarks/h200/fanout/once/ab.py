@@ -10,7 +10,7 @@ Sections: bandwidth at 256 KiB and 2 MiB (where DMA fans out), latency (its CPU 
 a 1 GiB load of 2 MiB pages: 32 pieces), plus a 256 KiB urgent load behind a 512 MiB load of
 random 256 KiB pages (fanned out),
 alternated `AB_ROUNDS` times. Run on the H200 from the repo root:
-`PYTHONPATH=. python3 docs/benchmarks/h200/fanout/ab.py`; prints a table, writes
+`PYTHONPATH=. python3 docs/benchmarks/h200/fanout/once/ab.py`; prints a table, writes
 $OUT/ab.json (every bench row tagged with its variant and round).
 """
 import json
