@@ -129,3 +129,37 @@ async def test_pieced_transfers_keep_call_order_and_wait_for_compute(
     assert calls == [5, 5, 5]
     np.testing.assert_array_equal(mem.to_numpy(gpu[0])[first], expect)
     await off.aclose()
+
+
+@pytest.mark.gpu
+@pytest.mark.asyncio
+async def test_urgent_auto_load_takes_the_kernel_and_passes_queued_batch_dma() -> None:
+    """Under "auto" an urgent load runs on the kernel path: the copy engines would queue
+    it behind the big load's batched DMA (helper streams), the SMs do not."""
+    import torch
+
+    page, n = 256 * 1024, 2048  # 512 MiB behind
+    gpu = torch.zeros((n + 1, page), dtype=torch.uint8, device="cuda")
+    with kv.Offloader(kv.KVCacheLayout.from_tensors([gpu]), n + 1) as off:
+        host = off.cpu_tensors[0]
+        host[:] = np.random.default_rng(8).integers(0, 256, host.shape, dtype=np.uint8)
+        be = off.backend
+        kernels, fanned = be.counts["kernel"], be.counts["dma_fanned"]  # type: ignore[attr-defined]
+        rng = np.random.default_rng(2)
+        g, c = rng.permutation(n), rng.permutation(n)
+        big = off.load(c, g, path="dma")
+        urgent = off.load([n], [n], urgent=True)
+        await urgent
+        assert not big.done()  # it passed 512 MiB (~11 ms of link) still in flight
+        assert be.counts["kernel"] == kernels + 1  # type: ignore[attr-defined]
+        await big
+        assert be.counts["dma_fanned"] > fanned  # type: ignore[attr-defined]
+        torch.cuda.synchronize()
+        assert np.array_equal(gpu[n].cpu().numpy(), host[n])
+        for k in (0, n // 2, n - 1):
+            assert np.array_equal(gpu[int(g[k])].cpu().numpy(), host[int(c[k])])
+        # an explicit path is kept
+        off.load([n], [n], urgent=True, path="dma").wait(10)
+        assert be.counts["kernel"] == kernels + 1  # type: ignore[attr-defined]
+    del gpu
+    torch.cuda.empty_cache()
