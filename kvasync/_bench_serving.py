@@ -6,7 +6,8 @@
 - ``smallrate``: awaited 64 KiB transfers per second from 64 tasks; 10,000 in flight at once.
 - ``overlap``: a store and a load at once vs two contiguous memcpys on two streams.
 - ``interference``: a bf16 8192^3 matmul loop alone and during each path's transfers.
-- ``priority``: a 4 KiB load right behind a 512 MiB load, normal vs ``urgent=True``.
+- ``priority``: a small load right behind a 512 MiB load (contiguous 4 KiB or random 256 KiB
+  pages), normal vs ``urgent=True``.
 - ``layerwise``: ``load_layerwise`` + per-layer compute vs load-everything-then-compute.
 
 Each section takes the bench `Context` and returns its `Row`s (built with ``ctx.row``, so
@@ -841,15 +842,15 @@ def section_interference(ctx: Context) -> list[Row]:
 
 
 # -- 6. priority --------------------------------------------------------------------------------
-async def _behind(off: Any, big: tuple[Any, Any], small: tuple[Any, Any], path: str,
-                  urgent: bool) -> tuple[float, float]:
+async def _behind(off: Any, big: tuple[Any, Any], small: tuple[Any, Any], big_path: str,
+                  small_path: str, urgent: bool) -> tuple[float, float]:
     """(seconds from submitting the small load to its await returning, big load seconds)."""
     bg, bc = big
     sg, sc = small
     t0 = time.perf_counter()
-    tb = off.load(bc, bg, path=path)
+    tb = off.load(bc, bg, path=big_path)
     t1 = time.perf_counter()
-    ts = off.load(sc, sg, path=path, urgent=urgent)
+    ts = off.load(sc, sg, path=small_path, urgent=urgent)
     await ts
     t2 = time.perf_counter()
     await tb
@@ -858,35 +859,52 @@ async def _behind(off: Any, big: tuple[Any, Any], small: tuple[Any, Any], path: 
 
 
 def section_priority(ctx: Context) -> list[Row]:
-    """A 4 KiB load right behind a 512 MiB load: FIFO (urgent=False) vs urgent=True."""
+    """A small load right behind a 512 MiB load: FIFO (urgent=False) vs urgent=True.
+
+    Two kinds of big load: 4 KiB pages in contiguous runs (one copy per piece) on the DMA and
+    the kernel path, and random 256 KiB pages on DMA (batched, fanned out over the helper
+    streams: what the copy engines do not let a later copy pass), with the small load on
+    "auto" (which sends an urgent one to the kernel) and on DMA.
+    """
     rows: list[Row] = []
-    page = 4 * KiB
-    off = ctx.offloader(page)
-    n = ctx.pool_bytes // page
     big_bytes = min(512 * MiB, ctx.pool_bytes // 2)
-    k = big_bytes // page
-    big = (np.arange(k, dtype=np.int64), np.arange(k, dtype=np.int64))  # contiguous runs
     reps = 10
-    for path in ("dma", "kernel"):
+    rng = np.random.default_rng(6)
+    cases = [(4 * KiB, False, "dma", "dma"), (4 * KiB, False, "kernel", "kernel"),
+             (256 * KiB, True, "dma", "auto"), (256 * KiB, True, "dma", "dma")]
+    for page, scattered, big_path, small_path in cases:
+        off = ctx.offloader(page)
+        n = ctx.pool_bytes // page
+        k = big_bytes // page
+        kind = "random" if scattered else "contiguous"
         for urgent in (False, True):
-            ctx.progress(f"4 KiB behind {fmt_size(big_bytes)}, path {path}, urgent={urgent}")
+            if scattered and not urgent and small_path == "auto":
+                continue  # FIFO behind is FIFO whatever the path
+            ctx.progress(f"{fmt_size(page)} behind {fmt_size(big_bytes)} {kind}, path "
+                         f"{big_path}/{small_path}, urgent={urgent}")
             lat, bigs = [], []
             for rep in range(reps + 2):
+                if scattered:
+                    big = (rng.permutation(k), rng.permutation(k))
+                else:
+                    big = (np.arange(k, dtype=np.int64), np.arange(k, dtype=np.int64))
                 j = k + 1 + rep % max(1, n - k - 1)
                 small = (np.asarray([j]), np.asarray([j]))
-                a, b = asyncio.run(_behind(off, big, small, path, urgent))
+                a, b = asyncio.run(_behind(off, big, small, big_path, small_path, urgent))
                 if rep >= 2:
                     lat.append(a)
                     bigs.append(b)
             p50, _ = _us(lat)
-            rows.append(ctx.row("priority", path, "h2d", page, p50_us=p50,
+            label = big_path if big_path == small_path else f"{big_path}/{small_path}"
+            rows.append(ctx.row("priority", label, "h2d", page, p50_us=p50,
                                 p99_us=round(max(lat) * 1e6, 2), reps=reps, bytes=page,
                                 samples=[round(x, 7) for x in lat],
                                 seconds=statistics.median(bigs),
                                 note=f"urgent={urgent}; big load {fmt_size(big_bytes)} in "
-                                     f"{fmt_size(page)} pages took "
+                                     f"{kind} {fmt_size(page)} pages on {big_path} took "
                                      f"{statistics.median(bigs)*1e3:.1f} ms",
-                                extra={"urgent": urgent, "big_bytes": big_bytes}))
+                                extra={"urgent": urgent, "big_bytes": big_bytes,
+                                       "big_pages": kind, "small_path": small_path}))
     return rows
 
 
@@ -1104,7 +1122,8 @@ def serving_summary(rows: list[Row]) -> str:
     for r in prio:
         urgent = bool(r.extra.get("urgent"))
         ok = (r.p50_us / 1e3 < URGENT_MS and r.p99_us / 1e3 < URGENT_MS) if urgent else None
-        add(f"4 KiB behind {fmt_size(r.extra.get('big_bytes', 0))} {r.path} urgent={urgent}",
+        add(f"{fmt_size(r.page_bytes)} behind {fmt_size(r.extra.get('big_bytes', 0))} "
+            f"{r.extra.get('big_pages', 'contiguous')[:6]} {r.path} urgent={urgent}",
             f"p50 {r.p50_us / 1e3:.3f} max {r.p99_us / 1e3:.3f} ms",
             f"big load {r.seconds * 1e3:.1f} ms", "",
             f"<{URGENT_MS:g} ms" if urgent else "", ok)
