@@ -366,7 +366,9 @@ class Offloader:
         compute: Stream | None = self.backend.compute_stream(
             stream if stream is not None else self._compute_override
         )
-        concrete = self.backend.resolve_path(chosen, direction, plan, self.host_pinned, urgent)
+        other = self._queues[("h2d" if direction == "d2h" else "d2h", False)]
+        concrete = self.backend.resolve_path(chosen, direction, plan, self.host_pinned, urgent,
+                                             other.inflight > 0)
         if self._closed:
             raise OffloaderClosedError("the offloader is closed")
         # only the job id is drawn under the offloader-wide lock; ordering within a lane is

@@ -163,3 +163,34 @@ async def test_urgent_auto_load_takes_the_kernel_and_passes_queued_batch_dma() -
         assert be.counts["kernel"] == kernels + 1  # type: ignore[attr-defined]
     del gpu
     torch.cuda.empty_cache()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page", [4096, 256 * 1024])
+def test_auto_sends_big_pages_to_dma_while_the_other_direction_is_busy(page: int) -> None:
+    """A store and a load at once share the link: big descriptors go to the copy engines
+    (kernel copies both ways at once lost a fifth of the link on the H200); 4 KiB pages
+    stay with the calibrated choice (DMA of 4 KiB pages is driver-bound)."""
+    import torch
+
+    n = (64 << 20) // page
+    gpu = torch.randint(0, 256, (2 * n, page), dtype=torch.uint8, device="cuda")
+    with kv.Offloader(kv.KVCacheLayout.from_tensors([gpu]), 2 * n) as off:
+        be = off.backend
+        off.store(list(range(n)), list(range(n))).wait(30)  # calibrates "auto"
+        torch.cuda._sleep(100_000_000)  # holds both transfers behind the compute stream
+        before = dict(be.counts)  # type: ignore[attr-defined]
+        store = off.store(list(range(n)), list(range(n)))
+        load = off.load(list(range(n)), list(range(n, 2 * n)))
+        assert not store.done()
+        counts = be.counts  # type: ignore[attr-defined]
+        if page >= be.CONTENDED_DMA_BYTES:  # type: ignore[attr-defined]
+            assert counts["dma"] >= before["dma"] + 1  # the load, at least
+        else:
+            assert counts["kernel"] >= before["kernel"] + 1  # 4 KiB: the calibrated kernel
+        load.wait(30)
+        store.wait(30)
+        torch.cuda.synchronize()
+        assert torch.equal(gpu[n:], gpu[:n])
+    del gpu
+    torch.cuda.empty_cache()

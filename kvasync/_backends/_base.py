@@ -140,13 +140,14 @@ class Backend(ABC):
 
     def resolve_path(
         self, path: str, direction: Direction, plan: TransferPlan, host_pinned: bool,
-        urgent: bool = False,
+        urgent: bool = False, other_busy: bool = False,
     ) -> str:
         """Map the caller's path choice (maybe "auto") to a concrete path for this plan.
 
         `host_pinned` is False when the host memory could not be pinned; a backend must then
         never pick a path that dereferences host memory from the device. `urgent`: the plan
         goes to an urgent lane, so "auto" should pick the path that passes queued work.
+        `other_busy`: the other direction has transfers in flight (both share the link).
         """
         return self.paths[0] if path == "auto" else path
 

@@ -613,10 +613,16 @@ class CudaBackend(Backend):
     #: behind a 512 MiB load of random 256 KiB pages: DMA 1.12 ms p50 (10.2 ms without the
     #: helper streams), kernel 0.30 ms; behind stores and contiguous loads both stay < 0.4 ms
     URGENT_KERNEL = True
+    #: while the other direction has transfers in flight, "auto" sends descriptors of at
+    #: least this many bytes (mean) to DMA: a store and a load at once on the H200
+    #: (1 submitting thread) reached, as % of the bidirectional ceiling, 2 MiB pages
+    #: dma/dma 91 against kernel/kernel 74 and auto 84; 64 KiB 68 against 61 and 62
+    #: (docs/benchmarks/h200/lazy/bench/); 0 turns it off
+    CONTENDED_DMA_BYTES = 64 << 10
 
     def resolve_path(
         self, path: str, direction: Direction, plan: TransferPlan, host_pinned: bool,
-        urgent: bool = False,
+        urgent: bool = False, other_busy: bool = False,
     ) -> str:
         if path not in self.paths:
             raise InvalidTransferError(f"unknown copy path {path!r}; choose one of {self.paths}")
@@ -637,6 +643,9 @@ class CudaBackend(Backend):
         if path == "kernel" or (urgent and self.URGENT_KERNEL):
             return "kernel"
         if plan.num_descriptors == 0:
+            return "dma"
+        if (other_busy and self.CONTENDED_DMA_BYTES
+                and plan.nbytes >= self.CONTENDED_DMA_BYTES * plan.num_descriptors):
             return "dma"
         return self.calibration().choose(direction, plan.nbytes, plan.num_descriptors)
 
