@@ -88,6 +88,9 @@ class RefTable:
     #: tensors referenced by several groups, with those groups (cross-group duplicate check)
     shared_tensors: list[tuple[int, list[int]]]
     max_gpu_block: list[int] = field(default_factory=list)
+    #: what the host addresses point into (host memory, a shared region): every plan holds
+    #: its table, so memory in use by a transfer in flight is never unpinned or unmapped
+    owners: list[Any] = field(default_factory=list, compare=False, repr=False)
 
     @cached_property
     def all_simple(self) -> bool:

@@ -191,6 +191,8 @@ class Offloader:
             "d2h": build_ref_table(layout, gpu_geo, host_geo, True, self.canonical),
             "h2d": build_ref_table(layout, gpu_geo, host_geo, False, self.canonical),
         }
+        for table in self._tables.values():
+            table.owners += [*self._host_mem, *([host_region] if host_region is not None else [])]
         self._engine = CompletionEngine(completion)
         lanes: list[tuple[Direction, bool]] = [
             ("d2h", False), ("h2d", False), ("d2h", True), ("h2d", True)
@@ -367,8 +369,9 @@ class Offloader:
             stream if stream is not None else self._compute_override
         )
         other = self._queues[("h2d" if direction == "d2h" else "d2h", False)]
-        concrete = self.backend.resolve_path(chosen, direction, plan, self.host_pinned, urgent,
-                                             other.inflight > 0)
+        # other.inflight: read without its lock, a hint (it drops when the thread reaps)
+        concrete = self.backend.resolve_path(chosen, direction, plan, self.host_pinned,
+                                             urgent=urgent, other_busy=other.inflight > 0)
         if self._closed:
             raise OffloaderClosedError("the offloader is closed")
         # only the job id is drawn under the offloader-wide lock; ordering within a lane is

@@ -38,6 +38,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -315,14 +316,34 @@ class _FanRound:
         return fan.streams[i]
 
     def join(self) -> None:
-        """The main stream waits for every helper used since the last join."""
-        fan = self.fan
-        if fan is not None:
-            rt = cupy().cuda.runtime
-            for i in range(self.used):
+        """The main stream waits for every helper used since the last join (each helper is
+        tried even if an earlier one's calls failed; the first failure is raised)."""
+        fan, used = self.fan, self.used
+        self.used = self.next = 0
+        if fan is None:
+            return
+        rt = cupy().cuda.runtime
+        error: BaseException | None = None
+        for i in range(used):
+            try:
                 rt.eventRecord(fan.joins[i].ptr, fan.streams[i])
                 rt.streamWaitEvent(self.main, fan.joins[i].ptr, 0)
-        self.used = self.next = 0
+            except Exception as exc:  # a dead context: keep joining, report the first
+                error = error or exc
+        if error is not None:
+            raise error
+
+
+def _register_on(device_id: int, ptr: int, nbytes: int) -> bool:
+    """cudaHostRegister with `device_id` current."""
+    with cupy().cuda.Device(device_id):
+        return _cudart.host_register(ptr, nbytes)
+
+
+def _unregister_on(device_id: int, ptr: int) -> bool:
+    """cudaHostUnregister with `device_id` current."""
+    with cupy().cuda.Device(device_id):
+        return _cudart.host_unregister(ptr)
 
 
 # -- calibration --------------------------------------------------------------------------------
@@ -522,13 +543,15 @@ class CudaBackend(Backend):
                 f"{what}: pointer {info.ptr:#x} is not device memory (cudaMemoryType {kind})"
             )
 
-    def _register(self, ptr: int, nbytes: int) -> bool:
-        with self._device():
-            return _cudart.host_register(ptr, nbytes)
+    @property
+    def _register(self) -> Callable[[int, int], bool]:
+        return partial(_register_on, self.device_id)
 
-    def _unregister(self, ptr: int) -> bool:
-        with self._device():
-            return _cudart.host_unregister(ptr)
+    @property
+    def _unregister(self) -> Callable[[int], bool]:
+        # not a bound method: host memory's collection finalizer holds it, and must not
+        # keep the backend (whose table cache holds that memory) alive
+        return partial(_unregister_on, self.device_id)
 
     def pin_functions(self) -> tuple[Callable[[int, int], bool], Callable[[int], bool]]:
         return self._register, self._unregister
