@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -194,6 +195,7 @@ class Offloader:
         for table in self._tables.values():
             table.owners += [*self._host_mem, *([host_region] if host_region is not None else [])]
         self._engine = CompletionEngine(completion)
+        self._both_ways_at = -1e9  # perf_counter of the last submission that saw both busy
         lanes: list[tuple[Direction, bool]] = [
             ("d2h", False), ("h2d", False), ("d2h", True), ("h2d", True)
         ]
@@ -368,10 +370,8 @@ class Offloader:
         compute: Stream | None = self.backend.compute_stream(
             stream if stream is not None else self._compute_override
         )
-        other = self._queues[("h2d" if direction == "d2h" else "d2h", False)]
-        # other.inflight: read without its lock, a hint (it drops when the thread reaps)
         concrete = self.backend.resolve_path(chosen, direction, plan, self.host_pinned,
-                                             urgent=urgent, other_busy=other.inflight > 0)
+                                             urgent=urgent, other_busy=self._both_ways(direction))
         if self._closed:
             raise OffloaderClosedError("the offloader is closed")
         # only the job id is drawn under the offloader-wide lock; ordering within a lane is
@@ -384,6 +384,22 @@ class Offloader:
         lane = (direction, bool(urgent))
         transfer = self._queues[lane].submit(plan, jid, concrete, compute, signal)
         return transfer
+
+    #: seconds a sighting of both directions busy at once counts: a caller that submits a
+    #: store and then a load, then waits for both, finds the other direction idle at every
+    #: store and busy at every load (on the H200 that mix, kernel store + DMA load, was the
+    #: worst pair: 50% of the bidirectional ceiling at 64 KiB, where DMA both ways made 61%)
+    BOTH_WAYS_MEMORY = 0.1
+
+    def _both_ways(self, direction: Direction) -> bool:
+        """Whether the other direction has transfers in flight, or had at a submission in
+        the last `BOTH_WAYS_MEMORY` seconds (its count is read without its lock: a hint)."""
+        other = self._queues[("h2d" if direction == "d2h" else "d2h", False)]
+        now = time.perf_counter()
+        if other.inflight > 0:
+            self._both_ways_at = now
+            return True
+        return now - self._both_ways_at < self.BOTH_WAYS_MEMORY
 
     # -- draining and closing ------------------------------------------------------------------
     async def drain(self) -> None:

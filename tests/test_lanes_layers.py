@@ -197,3 +197,22 @@ def test_auto_sends_big_pages_to_dma_while_the_other_direction_is_busy(
         assert torch.equal(gpu[n:], gpu[:n])
     del gpu
     torch.cuda.empty_cache()
+
+
+def test_both_ways_is_remembered_for_a_while(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A caller that submits a store, then a load, then waits for both finds the load side
+    idle at every store: the sighting of both busy (at the load) is remembered."""
+    gpu = [np.zeros((8, 256), dtype=np.uint8)]
+    with kv.Offloader(kv.KVCacheLayout.from_tensors(gpu), 8, backend="host") as off:
+        gate = threading.Event()
+        compute = HostStream(name="held")
+        compute.enqueue(gate.wait)
+        assert not off._both_ways("d2h")  # nothing seen yet
+        store = off.store([0], [0], stream=compute)
+        assert off._both_ways("h2d")  # the store is in flight
+        gate.set()
+        store.wait(10)
+        assert off._both_ways("d2h")  # nothing in flight now, but seen just before
+        monkeypatch.setattr(off, "BOTH_WAYS_MEMORY", 0.0)
+        assert not off._both_ways("d2h")
+        compute.close()

@@ -476,6 +476,11 @@ class CudaBackend(Backend):
                                        "dma_fanned": 0}
         #: helper streams of fanned-out DMA batches, per main stream handle
         self._fans: dict[int, _Fan] = {}
+        #: cudaHostRegister / cudaHostUnregister on this device; not bound methods: host
+        #: memory's collection finalizer holds them and must not keep the backend (whose
+        #: table cache holds that memory) alive
+        self._register: Callable[[int, int], bool] = partial(_register_on, self.device_id)
+        self._unregister: Callable[[int], bool] = partial(_unregister_on, self.device_id)
 
     # -- set-up ---------------------------------------------------------------------------------
     def _device(self) -> Any:
@@ -542,16 +547,6 @@ class CudaBackend(Backend):
             raise InvalidTransferError(
                 f"{what}: pointer {info.ptr:#x} is not device memory (cudaMemoryType {kind})"
             )
-
-    @property
-    def _register(self) -> Callable[[int, int], bool]:
-        return partial(_register_on, self.device_id)
-
-    @property
-    def _unregister(self) -> Callable[[int], bool]:
-        # not a bound method: host memory's collection finalizer holds it, and must not
-        # keep the backend (whose table cache holds that memory) alive
-        return partial(_unregister_on, self.device_id)
 
     def pin_functions(self) -> tuple[Callable[[int, int], bool], Callable[[int], bool]]:
         return self._register, self._unregister
