@@ -142,7 +142,6 @@ class SharedHostRegion:
         self._cursor = 0
         self._pinned: list[int] = []
         self._is_pinned = False
-        self._unregister: Unregister | None = None
         self.populated_with: str | None = None  # "madvise", "touch" or None (not populated)
 
         error: BaseException | None = None
@@ -428,7 +427,6 @@ class SharedHostRegion:
             if addrs is None:
                 return False
             self._pinned = addrs
-            self._unregister = unregister
             self._unpinner = unpin_on_collect(self, partial(unpin_chunks, addrs, unregister))
             self._is_pinned = True
             return True
@@ -462,7 +460,6 @@ class SharedHostRegion:
             unpinner()  # unregisters self._pinned in reverse, once
         self._pinned = []
         self._is_pinned = False
-        self._unregister = None
         self._base = None  # drop our export before closing the mapping
         mm, self._mm = self._mm, None
         if mm is not None:
