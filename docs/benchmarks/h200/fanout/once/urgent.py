@@ -48,26 +48,31 @@ def measure(page: int, big_dir: str, random: bool, urgent_path: str, reps: int =
     del gpu
     torch.cuda.empty_cache()
     return {"p50_ms": float(np.median(lat)) * 1e3, "max_ms": max(lat) * 1e3,
-            "big_ms": float(np.median(bigs)) * 1e3}
+            "big_ms": float(np.median(bigs)) * 1e3, "samples": lat}
 
 
-print(f"{'big':<22} {'urgent':<7} {'fan':<9} {'p50 ms':>7} {'max ms':>7} {'big ms':>7}")
-for page, random in ((256 << 10, True), (4 << 10, False)):
-    for big_dir in ("h2d", "d2h"):
-        for upath in ("dma", "kernel"):
-            for fan, per_piece in ((4, False), (4, True), (1, False)):
-                if not random and (fan, per_piece) != (4, False):
-                    continue  # contiguous runs never fan out
-                CudaBackend.FAN_OUT = fan
-                CudaBackend.enqueue_pieces = Backend.enqueue_pieces if per_piece else mine
-                r = measure(page, big_dir, random, upath)
-                label = f"{'load' if big_dir == 'h2d' else 'store'} {page >> 10}K " + (
-                    "random" if random else "contig")
-                fan_s = f"{fan}" + (" piece" if per_piece else "")
-                r.update(big=label, urgent=upath, fan=fan_s)
-                rows.append(r)
-                print(f"{label:<22} {upath:<7} {fan_s:<9} {r['p50_ms']:7.3f} {r['max_ms']:7.3f}"
-                      f" {r['big_ms']:7.1f}", flush=True)
-CudaBackend.FAN_OUT = 4
-CudaBackend.enqueue_pieces = mine
-json.dump(rows, open(os.path.join(OUT, "urgent.json"), "w"), indent=1)
+def main() -> None:
+    print(f"{'big':<22} {'urgent':<7} {'fan':<9} {'p50 ms':>7} {'max ms':>7} {'big ms':>7}")
+    for page, random in ((256 << 10, True), (4 << 10, False)):
+        for big_dir in ("h2d", "d2h"):
+            for upath in ("dma", "kernel"):
+                for fan, per_piece in ((4, False), (4, True), (1, False)):
+                    if not random and (fan, per_piece) != (4, False):
+                        continue  # contiguous runs never fan out
+                    CudaBackend.FAN_OUT = fan
+                    CudaBackend.enqueue_pieces = Backend.enqueue_pieces if per_piece else mine
+                    r = measure(page, big_dir, random, upath)
+                    label = f"{'load' if big_dir == 'h2d' else 'store'} {page >> 10}K " + (
+                        "random" if random else "contig")
+                    fan_s = f"{fan}" + (" piece" if per_piece else "")
+                    r.update(big=label, urgent=upath, fan=fan_s)
+                    rows.append(r)
+                    print(f"{label:<22} {upath:<7} {fan_s:<9} {r['p50_ms']:7.3f} {r['max_ms']:7.3f}"
+                          f" {r['big_ms']:7.1f}", flush=True)
+    CudaBackend.FAN_OUT = 4
+    CudaBackend.enqueue_pieces = mine
+    json.dump(rows, open(os.path.join(OUT, "urgent.json"), "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
