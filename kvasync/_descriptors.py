@@ -91,6 +91,9 @@ class RefTable:
     #: what the host addresses point into (host memory, a shared region): every plan holds
     #: its table, so memory in use by a transfer in flight is never unpinned or unmapped
     owners: list[Any] = field(default_factory=list, compare=False, repr=False)
+    #: derived forms computed once per table by the copy paths (row geometry, staging
+    #: tables, coverage patterns); never part of a plan's meaning
+    cache: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @cached_property
     def all_simple(self) -> bool:

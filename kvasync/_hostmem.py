@@ -12,14 +12,18 @@ from __future__ import annotations
 import logging
 import mmap
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ._backends._base import HostMemory
 
-__all__ = ["MAX_REGISTER_CHUNK_BYTES", "alloc_mmap", "pin_chunks", "unpin_chunks",
-           "unpin_on_collect"]
+if TYPE_CHECKING:
+    from ._layout import KVCacheLayout
+
+__all__ = ["MAX_REGISTER_CHUNK_BYTES", "alloc_mmap", "pin_chunks", "row_offsets",
+           "unpin_chunks", "unpin_on_collect"]
 
 log = logging.getLogger("kvasync")
 
@@ -27,6 +31,34 @@ MAX_REGISTER_CHUNK_BYTES = 64 * 1024**3
 
 Register = Callable[[int, int], bool]
 Unregister = Callable[[int], bool]
+
+
+#: every tensor's part of a host row starts on this boundary (vector loads and stores of
+#: the staging kernels; KV pages are multiples of it in practice, so rows stay gap-free)
+ROW_ALIGN = 16
+
+
+def row_offsets(layout: KVCacheLayout, pages: Sequence[int]) -> tuple[list[int], int]:
+    """(offset of each tensor's part in a host row, row bytes) for the row-contiguous host
+    layout: one row per CPU chunk holding every tensor's `pages[t]` bytes (its
+    blocks_per_chunk sub-blocks) side by side, tensors ordered by KV-cache group (first use
+    in group, then ref order), so each group's part of a row is one contiguous run.
+    Tensors no group uses come last."""
+    order: list[int] = []
+    seen: set[int] = set()
+    for refs in layout.groups:
+        for ref in refs:
+            if ref.tensor_idx not in seen:
+                seen.add(ref.tensor_idx)
+                order.append(ref.tensor_idx)
+    order += [t for t in range(len(pages)) if t not in seen]
+    offsets = [0] * len(pages)
+    pos = 0
+    for t in order:
+        pos = -(-pos // ROW_ALIGN) * ROW_ALIGN
+        offsets[t] = pos
+        pos += int(pages[t])
+    return offsets, max(-(-pos // ROW_ALIGN) * ROW_ALIGN, ROW_ALIGN)
 
 
 def alloc_mmap(nbytes: int) -> tuple[mmap.mmap, np.ndarray, int]:

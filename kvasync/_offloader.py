@@ -31,6 +31,7 @@ from ._descriptors import (
     build_ref_table,
     split_plan,
 )
+from ._hostmem import row_offsets
 from ._errors import (
     BackendUnavailableError,
     InvalidTransferError,
@@ -152,24 +153,19 @@ class Offloader:
             for v in views:
                 self.backend.register_array(array_info(v))
         else:
-            pinned_all = True
+            # one row per chunk, every tensor's sub-blocks side by side (see row_offsets)
+            offsets, row_bytes = row_offsets(layout, pages)
             try:
-                for page in pages:
-                    try:
-                        mem = self.backend.alloc_host(self.num_cpu_chunks * page, page)
-                    except OSError as exc:
-                        raise InvalidTransferError(
-                            f"cannot allocate {self.num_cpu_chunks * page} B of host memory "
-                            f"for num_cpu_chunks={self.num_cpu_chunks}: {exc}"
-                        ) from exc
-                    self._host_mem.append(mem)
-                    pinned_all &= mem.pinned
-                    views.append(mem.array[: self.num_cpu_chunks * page].reshape(-1, page))
-            except Exception:
-                for mem in self._host_mem:
-                    mem.release()
-                raise
-            self.host_pinned = pinned_all or self.backend.pin_functions() is None
+                mem = self.backend.alloc_host(self.num_cpu_chunks * row_bytes, row_bytes)
+            except OSError as exc:
+                raise InvalidTransferError(
+                    f"cannot allocate {self.num_cpu_chunks * row_bytes} B of host memory "
+                    f"for num_cpu_chunks={self.num_cpu_chunks}: {exc}"
+                ) from exc
+            self._host_mem.append(mem)
+            rows = mem.array[: self.num_cpu_chunks * row_bytes].reshape(-1, row_bytes)
+            views = [rows[:, off : off + page] for off, page in zip(offsets, pages)]
+            self.host_pinned = mem.pinned or self.backend.pin_functions() is None
         self._cpu_views = views
 
         gpu_geo = SideGeometry(

@@ -1,0 +1,315 @@
+"""The staged copy program: whole host rows through a bounded staging buffer.
+
+Why: a CPU chunk's host row holds every KV tensor's sub-blocks side by side, so a transfer
+of scattered GPU pages is, on the host side, a few long runs (a whole row per fully covered
+chunk, several rows per run of consecutive chunk ids). The copy engines move long runs at
+the link's ceiling with one descriptor each and leave the SMs to the model; only the GPU
+side is scattered, and a kernel gathers (stores) or scatters (loads) it through a staging
+buffer in device memory at HBM speed, far above the link.
+
+A `StagedProgram` is computed once per transfer from its `TransferPlan`, before anything is
+enqueued, and consumed by a backend without calling back:
+
+- the distinct chunks the plan touches are ranked by id; rank r lives in staging row
+  ``r % rows_per_slab`` of slab ``r // rows_per_slab`` (a slab is one staging buffer);
+- each slab's `segments` are the plan's segments restricted to its chunks, with the host
+  slot rewritten to the staging slot ``row * blocks_per_chunk + sub_block``: the pack or
+  unpack kernel copies them with a staging `RefTable` (`staging_table`);
+- each slab's runs (staging offset, host address, bytes) cover exactly the bytes its
+  segments copy, merged where contiguous on both sides: a partial chunk (a group's skipped
+  first sub-blocks, its short last chunk, a writer rotation's filter, a group that owns
+  only part of a row) writes nothing outside its covered sub-ranges.
+
+Host work is O(blocks + runs), not O(blocks x tensors): the per-chunk coverage pattern of
+each ref set is computed once per (refs, covered sub-blocks) and cached on the table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from ._descriptors import RefTable, Segment, SideGeometry, TransferPlan
+
+__all__ = ["RowSide", "Slab", "StagedProgram", "build_staged", "row_side", "staging_table"]
+
+U64 = np.uint64
+
+#: sub-blocks per chunk the coverage masks can describe (one bit each)
+MAX_FACTOR = 64
+
+
+@dataclass(frozen=True)
+class RowSide:
+    """The host side of a table as rows: ref r's slot s lies at ``base + (s // factor) *
+    row_stride + offsets[r] + (s % factor) * sub[r]``; each row's used bytes fit in `span`."""
+
+    base: int
+    row_stride: int
+    span: int
+    offsets: np.ndarray  # uint64 [R]
+    sub: np.ndarray  # uint64 [R]
+    frag_off: np.ndarray  # uint64 [F]: fragment offsets on the host side
+    factor: int
+
+
+def row_side(table: RefTable, gpu_to_cpu: bool) -> RowSide | None:
+    """The row form of `table`'s host side, or None where the host memory is not rows
+    (refs with different row strides, or parts of a row overlapping the next row)."""
+    key = ("rows", gpu_to_cpu)
+    cache = table.cache
+    if key in cache:
+        found: RowSide | None = cache[key]
+        return found
+    if gpu_to_cpu:
+        base, stride, sub, frag, side = (table.dst_base, table.dst_row_stride,
+                                         table.dst_sub_stride, table.frag_dst, table.dst)
+    else:
+        base, stride, sub, frag, side = (table.src_base, table.src_row_stride,
+                                         table.src_sub_stride, table.frag_src, table.src)
+    out: RowSide | None = None
+    if len(base) and len(np.unique(stride)) == 1:
+        lo = int(base.min())
+        offsets = (base - U64(lo)).astype(U64)
+        ends = []
+        for r in range(len(base)):
+            a, k = int(table.frag_start[r]), int(table.frag_count[r])
+            last = max((int(frag[f]) + int(table.frag_size[f]) for f in range(a, a + k)),
+                       default=0)
+            ends.append(int(offsets[r]) + (side.factor - 1) * int(sub[r]) + last)
+        span = max(max(ends), 1)
+        row = int(stride[0])
+        if span <= row or len(set(side.num_rows)) == 1 and side.num_rows[0] <= 1:
+            out = RowSide(lo, row, span, offsets, sub.astype(U64), frag.astype(U64),
+                          side.factor)
+    cache[key] = out
+    return out
+
+
+def staging_table(table: RefTable, rows: RowSide, gpu_to_cpu: bool, stage_ptr: int,
+                  rows_per_slab: int) -> RefTable:
+    """`table` with its host side moved onto a staging buffer at `stage_ptr` (rows of
+    `rows.span` bytes): what the pack/unpack kernel reads. Cached per buffer address."""
+    key = ("stage", gpu_to_cpu, stage_ptr, rows_per_slab)
+    hit: RefTable | None = table.cache.get(key)
+    if hit is not None:
+        return hit
+    n = len(table.tensor_idx)
+    bases = (rows.offsets + U64(stage_ptr)).astype(U64)
+    strides = np.full(n, rows.span, dtype=U64)
+    old = table.dst if gpu_to_cpu else table.src
+    geo = SideGeometry(base=list(old.base), row_stride=[rows.span] * len(old.base),
+                       sub_stride=list(old.sub_stride),
+                       num_rows=[rows_per_slab] * len(old.base), factor=old.factor)
+    if gpu_to_cpu:
+        out = replace(table, dst=geo, dst_base=bases, dst_row_stride=strides, owners=[],
+                      cache={})
+    else:
+        out = replace(table, src=geo, src_base=bases, src_row_stride=strides, owners=[],
+                      cache={})
+    table.cache[key] = out
+    return out
+
+
+@dataclass(frozen=True)
+class Slab:
+    """What one staging buffer carries: kernel segments and host runs."""
+
+    segments: tuple[Segment, ...]
+    stage_off: np.ndarray  # uint64 run offsets in the staging buffer
+    host_ptr: np.ndarray  # uint64 run addresses in host memory
+    sizes: np.ndarray  # uint64 run bytes
+    nbytes: int  # bytes the kernel copies (= sizes.sum())
+
+    @property
+    def num_runs(self) -> int:
+        return len(self.sizes)
+
+
+@dataclass(frozen=True)
+class StagedProgram:
+    """A staged transfer: slabs in order, each fitting one staging buffer."""
+
+    slabs: tuple[Slab, ...]
+    rows: RowSide
+    rows_per_slab: int
+    gpu_to_cpu: bool
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.slabs)
+
+    @property
+    def num_runs(self) -> int:
+        return sum(s.num_runs for s in self.slabs)
+
+
+def _pattern(table: RefTable, rows: RowSide, refs: np.ndarray, mask: int, gpu_to_cpu: bool
+             ) -> tuple[np.ndarray, np.ndarray]:
+    """(starts, sizes) in a row image of the bytes `refs` cover in the sub-blocks of
+    `mask`, merged where adjacent; cached per (refs, mask)."""
+    key = ("pat", gpu_to_cpu, refs.tobytes(), mask)
+    hit: tuple[np.ndarray, np.ndarray] | None = table.cache.get(key)
+    if hit is not None:
+        return hit
+    subs = [j for j in range(rows.factor) if mask >> j & 1]
+    spans: list[tuple[int, int]] = []
+    for r in refs.tolist():
+        a, k = int(table.frag_start[r]), int(table.frag_count[r])
+        off, sub = int(rows.offsets[r]), int(rows.sub[r])
+        for f in range(a, a + k):
+            size = int(table.frag_size[f])
+            if size == 0:
+                continue
+            start = off + int(rows.frag_off[f])
+            spans.extend((start + j * sub, size) for j in subs)
+    spans.sort()
+    merged: list[list[int]] = []
+    for start, size in spans:
+        if merged and start <= merged[-1][0] + merged[-1][1]:
+            end = max(merged[-1][0] + merged[-1][1], start + size)
+            merged[-1][1] = end - merged[-1][0]
+        else:
+            merged.append([start, size])
+    out = (np.asarray([m[0] for m in merged], dtype=U64),
+           np.asarray([m[1] for m in merged], dtype=U64))
+    if len(table.cache) < 4096:
+        table.cache[key] = out
+    return out
+
+
+def _coalesce_runs(so: np.ndarray, hp: np.ndarray, sz: np.ndarray
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Sort runs by host address and merge those contiguous on both sides."""
+    if len(sz) > 1:
+        order = np.argsort(hp, kind="stable")
+        so, hp, sz = so[order], hp[order], sz[order]
+        joins = (so[:-1] + sz[:-1] == so[1:]) & (hp[:-1] + sz[:-1] == hp[1:])
+        if joins.any():
+            starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+            return so[starts], hp[starts], np.add.reduceat(sz, starts).astype(U64)
+    return so, hp, sz
+
+
+def build_staged(plan: TransferPlan, gpu_to_cpu: bool, slab_bytes: int) -> StagedProgram | None:
+    """The staged program of `plan` with staging buffers of `slab_bytes`, or None where the
+    plan cannot be staged (host memory not in rows, a row larger than a buffer, more than
+    `MAX_FACTOR` blocks per chunk, or a raw descriptor plan)."""
+    table = plan.table
+    if table is None or (not plan.segments and plan.num_descriptors):
+        return None
+    rows = row_side(table, gpu_to_cpu)
+    if rows is None or rows.factor > MAX_FACTOR:
+        return None
+    rps = int(slab_bytes) // rows.span
+    if rps < 1:
+        return None
+    segs = [s for s in plan.segments if len(s.src_slots)]
+    if not segs:
+        return StagedProgram((), rows, rps, gpu_to_cpu)
+    bpc = rows.factor
+    host = [s.dst_slots if gpu_to_cpu else s.src_slots for s in segs]
+    allh = np.concatenate(host) if len(host) > 1 else host[0]
+    f = U64(bpc)
+    chunk = allh // f if bpc > 1 else allh
+    sub = (allh % f).astype(np.int64) if bpc > 1 else None
+    uniq, rank = np.unique(chunk, return_inverse=True)
+    rank = rank.reshape(-1).astype(np.int64)
+    nslabs = -(-len(uniq) // rps)
+    slab_of = rank // rps
+    row_in = rank % rps
+    staged = (row_in * bpc + sub).astype(U64) if sub is not None else row_in.astype(U64)
+
+    # kernel segments per slab
+    per_slab: list[list[Segment]] = [[] for _ in range(nslabs)]
+    kbytes = [0] * nslabs
+    parts: dict[bytes, int] = {}
+    part_refs: list[np.ndarray] = []
+    seg_part = []
+    pos = 0
+    for seg, h in zip(segs, host):
+        n = len(h)
+        key = seg.refs.tobytes()
+        if key not in parts:
+            parts[key] = len(part_refs)
+            part_refs.append(seg.refs)
+        seg_part.append(parts[key])
+        per_block = int(table.bytes_per_block[seg.refs].sum())
+        sl = slab_of[pos : pos + n]
+        st = staged[pos : pos + n]
+        first, last = int(sl[0]), int(sl[-1])
+        if first == last and (n < 3 or bool((sl == first).all())):
+            groups = [(first, None)]
+        else:
+            order = np.argsort(sl, kind="stable")
+            bounds = np.searchsorted(sl[order], np.arange(nslabs + 1))
+            groups = [(k, order[int(bounds[k]) : int(bounds[k + 1])]) for k in range(nslabs)
+                      if bounds[k + 1] > bounds[k]]
+        for k, idx in groups:
+            gpu = seg.src_slots if gpu_to_cpu else seg.dst_slots
+            g = gpu if idx is None else gpu[idx]
+            s = st if idx is None else st[idx]
+            per_slab[k].append(Segment(seg.refs, g, s) if gpu_to_cpu else Segment(seg.refs, s, g))
+            kbytes[k] += len(g) * per_block
+        pos += n
+
+    # host runs: one coverage mask per (chunk rank, ref set)
+    nparts = len(part_refs)
+    keys = np.concatenate([rank[a : a + len(h)] * nparts + p for a, h, p in
+                           zip(np.cumsum([0] + [len(h) for h in host[:-1]]).tolist(), host,
+                               seg_part)]) if nparts > 1 else rank * 1
+    bits = (np.left_shift(U64(1), sub.astype(U64)) if sub is not None
+            else np.ones(len(rank), dtype=U64))
+    order = np.argsort(keys, kind="stable")
+    ks = keys[order]
+    starts = np.flatnonzero(np.concatenate(([True], ks[1:] != ks[:-1])))
+    masks = np.bitwise_or.reduceat(bits[order], starts)
+    ukeys = ks[starts]
+    urank = ukeys // nparts
+    upart = ukeys % nparts
+    so_l: list[np.ndarray] = []
+    hp_l: list[np.ndarray] = []
+    sz_l: list[np.ndarray] = []
+    sl_l: list[np.ndarray] = []
+    row_base = (uniq[urank].astype(U64) * U64(rows.row_stride) + U64(rows.base))
+    stage_row = ((urank % rps) * rows.span).astype(U64)
+    combos = np.stack([upart.astype(U64), masks]) if len(ukeys) else np.zeros((2, 0), U64)
+    uc, cinv = np.unique(combos, axis=1, return_inverse=True)
+    cinv = cinv.reshape(-1)
+    for c in range(uc.shape[1]):
+        sel = np.flatnonzero(cinv == c) if uc.shape[1] > 1 else np.arange(len(ukeys))
+        pst, psz = _pattern(table, rows, part_refs[int(uc[0, c])], int(uc[1, c]), gpu_to_cpu)
+        so_l.append((stage_row[sel][:, None] + pst[None, :]).ravel())
+        hp_l.append((row_base[sel][:, None] + pst[None, :]).ravel())
+        sz_l.append(np.tile(psz, len(sel)))
+        sl_l.append(np.repeat(urank[sel] // rps, len(psz)))
+    so = np.concatenate(so_l)
+    hp = np.concatenate(hp_l)
+    sz = np.concatenate(sz_l).astype(U64)
+    slab_ix = np.concatenate(sl_l)
+    slabs: list[Slab] = []
+    for k in range(nslabs):
+        sel = np.flatnonzero(slab_ix == k) if nslabs > 1 else slice(None)
+        a, b, c = _coalesce_runs(so[sel], hp[sel], sz[sel])
+        # stores write each host byte once; a load may read one chunk into several blocks
+        assert int(c.sum()) == kbytes[k] if gpu_to_cpu else int(c.sum()) <= kbytes[k]
+        slabs.append(Slab(tuple(per_slab[k]), a, b, c, kbytes[k]))
+    return StagedProgram(tuple(slabs), rows, rps, gpu_to_cpu)
+
+
+def slab_descriptors(program: StagedProgram, slab: Slab, stage_ptr: int
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(src, dst, sizes) of a slab's copy-engine runs with the staging buffer at
+    `stage_ptr` (stores: staging -> host; loads: host -> staging)."""
+    stage = (slab.stage_off + U64(stage_ptr)).astype(U64)
+    if program.gpu_to_cpu:
+        return stage, slab.host_ptr, slab.sizes
+    return slab.host_ptr, stage, slab.sizes
+
+
+def describe(program: StagedProgram) -> dict[str, Any]:
+    """Counts for logs and stats."""
+    return {"slabs": len(program.slabs), "runs": program.num_runs, "bytes": program.nbytes,
+            "rows_per_slab": program.rows_per_slab, "row_span": program.rows.span}
