@@ -225,6 +225,9 @@ class TransferPlan:
     num_descriptors: int
     #: objects a copy path needs alive until the transfer completes (staging buffers)
     keepalive: list[Any] = field(default_factory=list)
+    #: the staged program (`_staged.StagedProgram`), computed by `resolve_path` before the
+    #: transfer is enqueued when the "staged" path is chosen
+    staged: Any = None
     _flat: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
     _coalesced: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 

@@ -31,13 +31,13 @@ from ._descriptors import (
     build_ref_table,
     split_plan,
 )
-from ._hostmem import row_offsets
 from ._errors import (
     BackendUnavailableError,
     InvalidTransferError,
     OffloaderClosedError,
     TransferFailedError,
 )
+from ._hostmem import row_offsets
 from ._layout import KVCacheLayout
 from ._scheduler import DirectionQueue
 from ._transfer import LayeredTransfer, Transfer

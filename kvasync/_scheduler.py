@@ -210,6 +210,8 @@ class DirectionQueue:
     MIN_FIRST_SLOTS = 256
 
     def _piece_bytes(self, path: str) -> int:
+        if path == "staged":  # it pipelines its own slabs through the staging buffers
+            return 1 << 62
         return self.KERNEL_PIECE_BYTES if path == "kernel" else self.PIECE_BYTES
 
     def _piece_slots(self, plan: TransferPlan, path: str = "dma") -> tuple[int, int]:

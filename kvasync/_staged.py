@@ -32,8 +32,11 @@ from typing import Any
 import numpy as np
 
 from ._descriptors import RefTable, Segment, SideGeometry, TransferPlan
+from ._errors import InvalidTransferError
 
-__all__ = ["RowSide", "Slab", "StagedProgram", "build_staged", "row_side", "staging_table"]
+__all__ = ["RowSide", "Slab", "StagedProgram", "build_staged", "describe", "kernel_plan",
+           "prepare_staged", "row_side",
+           "slab_descriptors", "staging_table"]
 
 U64 = np.uint64
 
@@ -81,7 +84,7 @@ def row_side(table: RefTable, gpu_to_cpu: bool) -> RowSide | None:
             ends.append(int(offsets[r]) + (side.factor - 1) * int(sub[r]) + last)
         span = max(max(ends), 1)
         row = int(stride[0])
-        if span <= row or len(set(side.num_rows)) == 1 and side.num_rows[0] <= 1:
+        if span <= row or (len(set(side.num_rows)) == 1 and side.num_rows[0] <= 1):
             out = RowSide(lo, row, span, offsets, sub.astype(U64), frag.astype(U64),
                           side.factor)
     cache[key] = out
@@ -121,7 +124,8 @@ class Slab:
     stage_off: np.ndarray  # uint64 run offsets in the staging buffer
     host_ptr: np.ndarray  # uint64 run addresses in host memory
     sizes: np.ndarray  # uint64 run bytes
-    nbytes: int  # bytes the kernel copies (= sizes.sum())
+    nbytes: int  # bytes the kernel copies
+    num_descriptors: int  # (slot, fragment) copies of the kernel
 
     @property
     def num_runs(self) -> int:
@@ -225,6 +229,7 @@ def build_staged(plan: TransferPlan, gpu_to_cpu: bool, slab_bytes: int) -> Stage
     # kernel segments per slab
     per_slab: list[list[Segment]] = [[] for _ in range(nslabs)]
     kbytes = [0] * nslabs
+    kcount = [0] * nslabs
     parts: dict[bytes, int] = {}
     part_refs: list[np.ndarray] = []
     seg_part = []
@@ -237,9 +242,11 @@ def build_staged(plan: TransferPlan, gpu_to_cpu: bool, slab_bytes: int) -> Stage
             part_refs.append(seg.refs)
         seg_part.append(parts[key])
         per_block = int(table.bytes_per_block[seg.refs].sum())
+        per_frags = int(table.frag_count[seg.refs].sum())
         sl = slab_of[pos : pos + n]
         st = staged[pos : pos + n]
         first, last = int(sl[0]), int(sl[-1])
+        groups: list[tuple[int, np.ndarray | None]]
         if first == last and (n < 3 or bool((sl == first).all())):
             groups = [(first, None)]
         else:
@@ -253,6 +260,7 @@ def build_staged(plan: TransferPlan, gpu_to_cpu: bool, slab_bytes: int) -> Stage
             s = st if idx is None else st[idx]
             per_slab[k].append(Segment(seg.refs, g, s) if gpu_to_cpu else Segment(seg.refs, s, g))
             kbytes[k] += len(g) * per_block
+            kcount[k] += len(g) * per_frags
         pos += n
 
     # host runs: one coverage mask per (chunk rank, ref set)
@@ -291,12 +299,36 @@ def build_staged(plan: TransferPlan, gpu_to_cpu: bool, slab_bytes: int) -> Stage
     slab_ix = np.concatenate(sl_l)
     slabs: list[Slab] = []
     for k in range(nslabs):
-        sel = np.flatnonzero(slab_ix == k) if nslabs > 1 else slice(None)
-        a, b, c = _coalesce_runs(so[sel], hp[sel], sz[sel])
+        pick: Any = np.flatnonzero(slab_ix == k) if nslabs > 1 else slice(None)
+        r_so, r_hp, r_sz = _coalesce_runs(so[pick], hp[pick], sz[pick])
         # stores write each host byte once; a load may read one chunk into several blocks
-        assert int(c.sum()) == kbytes[k] if gpu_to_cpu else int(c.sum()) <= kbytes[k]
-        slabs.append(Slab(tuple(per_slab[k]), a, b, c, kbytes[k]))
+        moved = int(r_sz.sum())
+        assert moved == kbytes[k] if gpu_to_cpu else moved <= kbytes[k]
+        slabs.append(Slab(tuple(per_slab[k]), r_so, r_hp, r_sz, kbytes[k], kcount[k]))
     return StagedProgram(tuple(slabs), rows, rps, gpu_to_cpu)
+
+
+def prepare_staged(plan: TransferPlan, direction: str, slab_bytes: int) -> StagedProgram:
+    """Build `plan`'s staged program onto `plan.staged`; InvalidTransferError (before
+    anything is enqueued) where the plan cannot be staged."""
+    program = build_staged(plan, direction == "d2h", slab_bytes)
+    if program is None:
+        raise InvalidTransferError(
+            "copy path 'staged' needs host memory in chunk rows (the offloader's own or a "
+            f"shared region's), at most {MAX_FACTOR} blocks per chunk and a row of at most "
+            f"{slab_bytes} B (one staging buffer)"
+        )
+    plan.staged = program
+    return program
+
+
+def kernel_plan(program: StagedProgram, slab: Slab, table: RefTable, stage_ptr: int
+                ) -> TransferPlan:
+    """The pack (stores) or unpack (loads) copies of `slab` as a plan over the staging table
+    of the buffer at `stage_ptr`."""
+    stable = staging_table(table, program.rows, program.gpu_to_cpu, stage_ptr,
+                           program.rows_per_slab)
+    return TransferPlan(stable, list(slab.segments), slab.nbytes, slab.num_descriptors)
 
 
 def slab_descriptors(program: StagedProgram, slab: Slab, stage_ptr: int

@@ -24,9 +24,10 @@ REQUIRE_GPU = os.environ.get("KVASYNC_REQUIRE_GPU") == "1"
 #: (backend, copy_path); CUDA ones carry the gpu mark and skip without a GPU
 BACKEND_CASES = [
     pytest.param(("host", "auto"), id="host"),
+    pytest.param(("host", "staged"), id="host-staged"),
     *[
         pytest.param(("cuda", p), id=f"cuda-{p}", marks=pytest.mark.gpu)
-        for p in ("kernel", "dma", "auto")
+        for p in ("kernel", "dma", "staged", "auto")
     ],
 ]
 

@@ -21,6 +21,7 @@ import numpy as np
 
 from .._errors import InvalidTransferError, TransferFailedError
 from .._hostmem import host_memory
+from .._staged import StagedProgram, kernel_plan, prepare_staged, slab_descriptors
 from ._base import Backend, Direction, Event, HostMemory, Stream
 
 if TYPE_CHECKING:
@@ -147,11 +148,22 @@ class HostStream(Stream):
         return self._thread is not None and self._thread.is_alive()
 
 
+class _HostRing:
+    """The staging buffers of one direction of the "staged" path."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.slab_bytes = max(int(nbytes) // 2, 1)
+        self.buffers = [host_memory(self.slab_bytes, self.slab_bytes) for _ in range(2)]
+        self.lock = threading.Lock()
+
+
 class HostBackend(Backend):
     """Backend whose device memory is host memory; used without a GPU."""
 
     name = "host"
-    paths = ("memmove",)
+    paths = ("memmove", "staged")
+    #: staging bytes per direction of the "staged" path (two buffers of half each)
+    STAGING_BYTES = 8 << 20
 
     def __init__(self, tensor_kind: str = "numpy", device_id: int = -1) -> None:
         self._ranges: list[tuple[int, int]] = []
@@ -160,6 +172,9 @@ class HostBackend(Backend):
         self._streams: list[HostStream] = []
         self._lock = threading.Lock()
         self._fail_next: list[BaseException] = []
+        self.staging_bytes = self.STAGING_BYTES
+        self._rings: dict[str, _HostRing] = {}
+        self._ring_lock = threading.Lock()
 
     # -- memory ------------------------------------------------------------------------------
     def check_device_array(self, info: ArrayInfo, what: str) -> None:
@@ -232,16 +247,62 @@ class HostBackend(Backend):
         """Test hook: the next copy this backend executes fails with `error`."""
         self._fail_next.append(error or TransferFailedError("injected device fault"))
 
+    def resolve_path(
+        self, path: str, direction: Direction, plan: TransferPlan, host_pinned: bool,
+        urgent: bool = False, other_busy: bool = False,
+    ) -> str:
+        if path == "staged":
+            prepare_staged(plan, direction, self._ring(direction).slab_bytes)
+            return path
+        return "memmove"
+
+    def _ring(self, direction: str) -> _HostRing:
+        ring = self._rings.get(direction)
+        if ring is not None:
+            return ring
+        with self._ring_lock:
+            ring = self._rings.get(direction)
+            if ring is None:
+                ring = _HostRing(self.staging_bytes)
+                for buf in ring.buffers:
+                    self._add_range(buf.ptr, buf.ptr + buf.nbytes)
+                self._rings[direction] = ring
+            return ring
+
     def enqueue_copy(
         self, stream: Stream, plan: TransferPlan, direction: Direction, path: str
     ) -> None:
-        if path not in ("memmove", "auto"):
+        if path not in ("memmove", "staged", "auto"):
             raise InvalidTransferError(f"host backend has no copy path {path!r}")
         assert isinstance(stream, HostStream)
+        if path == "staged" and plan.staged is None:
+            prepare_staged(plan, direction, self._ring(direction).slab_bytes)
         if plan.num_descriptors == 0:
             return
         fault = self._fail_next.pop(0) if self._fail_next else None
-        stream.enqueue(self._execute, plan, fault)
+        if path == "staged":
+            stream.enqueue(self._execute_staged, plan, self._ring(direction), fault)
+        else:
+            stream.enqueue(self._execute, plan, fault)
+
+    def _execute_staged(self, plan: TransferPlan, ring: _HostRing,
+                        fault: BaseException | None) -> None:
+        """Pack, then copy runs (stores); copy runs, then unpack (loads), slab by slab
+        through the ring's buffers, with the very program the CUDA path runs."""
+        program: StagedProgram = plan.staged
+        if fault is not None:
+            raise fault
+        with ring.lock:  # the buffers are shared by every stream of the direction
+            for i, slab in enumerate(program.slabs):
+                buf = ring.buffers[i % len(ring.buffers)]
+                ks, kd, kz = kernel_plan(program, slab, plan.table, buf.ptr).coalesced()
+                rs, rd, rz = slab_descriptors(program, slab, buf.ptr)
+                steps = [(ks, kd, kz), (rs, rd, rz)]
+                for s, d, z in steps if program.gpu_to_cpu else steps[::-1]:
+                    self._check_bounds(s, z)
+                    self._check_bounds(d, z)
+                    for a, b, n in zip(s.tolist(), d.tolist(), z.tolist()):
+                        _memmove(b, a, n)
 
     def _execute(self, plan: TransferPlan, fault: BaseException | None) -> None:
         src, dst, sizes = plan.coalesced()
@@ -256,6 +317,8 @@ class HostBackend(Backend):
         streams, self._streams = self._streams, []
         for s in streams:
             s.close()
+        # in-flight staged copies hold their ring (a stream thread ran them to the end)
+        self._rings.clear()
 
     @property
     def live_threads(self) -> int:

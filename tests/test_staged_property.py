@@ -1,0 +1,144 @@
+"""Property tests: the staged program (pack/unpack segments + host runs) against the
+plain-Python oracle, byte by byte, on row-contiguous host memory."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+from oracle import Ref, Side, byte_map, copies
+from test_descriptors_property import BIG, scenario
+
+from kvasync._descriptors import SideGeometry, build_plan, build_ref_table, split_plan
+from kvasync._layout import KVCacheLayout, KVRef, KVTensor
+from kvasync._staged import build_staged, kernel_plan, slab_descriptors
+
+STAGE = BIG * 64  # staging buffers: one per slab, far from everything else
+
+
+def _setup(s: dict, data: st.DataObject) -> tuple:  # type: ignore[type-arg]
+    n_t = len(s["pages"])
+    tensors = [KVTensor(np.zeros((s["num_blocks"][t], s["pages"][t]), np.uint8))
+               for t in range(n_t)]
+    groups = [[KVRef(t, mapping=s["mappings"].get(t)) for t in g] for g in s["groups"]]
+    layout = KVCacheLayout(tensors, groups)
+    bpc = s["bpc"]
+    sub = s["canon_pages"] if s["canonical"] else s["pages"]
+    gpu_rows = [s["pages"][t] + s["row_pad"][t] for t in range(n_t)]
+    # one host row per chunk: tensors side by side in a random order, with random gaps
+    order = data.draw(st.permutations(list(range(n_t))))
+    offsets = [0] * n_t
+    pos = data.draw(st.integers(0, 3))
+    for t in order:
+        offsets[t] = pos
+        pos += sub[t] * bpc + data.draw(st.integers(0, 2))
+    row = pos + data.draw(st.integers(0, 5))
+    base = BIG * 10 + 3
+    gpu = SideGeometry([BIG * (t + 1) for t in range(n_t)], gpu_rows, [0] * n_t,
+                       s["num_blocks"], 1)
+    host = SideGeometry([base + offsets[t] for t in range(n_t)], [row] * n_t, list(sub),
+                        [s["num_chunks"]] * n_t, bpc)
+    table = build_ref_table(layout, gpu, host, s["store"], s["canonical"])
+    o_refs = [
+        [Ref(t, s["pages"][t],
+             None if not s["canonical"] else
+             [f for r in s["mappings"][t].runs for f in r.fragments()],
+             s["mappings"][t].num_writers if s["canonical"] else 1,
+             s["mappings"][t].writer_index if s["canonical"] else 0)
+         for t in g]
+        for g in s["groups"]
+    ]
+    expected = copies(o_refs, Side(gpu.base, gpu_rows, [0] * n_t),
+                      Side(host.base, [row] * n_t, list(sub)), bpc, s["gpu"], s["cpu"],
+                      s["gsizes"], s["bidx"], s["store"])
+    return table, expected, row
+
+
+def _compose(plan_table: object, program: object, store: bool) -> dict[int, int]:
+    """dst byte -> src byte of the whole staged program (kernel, then runs, or reverse)."""
+    kernel: dict[int, int] = {}
+    runs: dict[int, int] = {}
+    for k, slab in enumerate(program.slabs):  # type: ignore[attr-defined]
+        stage = STAGE + k * BIG
+        ks, kd, kz = kernel_plan(program, slab, plan_table, stage).flat()  # type: ignore[arg-type]
+        kernel.update(byte_map(list(zip(ks.tolist(), kd.tolist(), kz.tolist()))))
+        rs, rd, rz = slab_descriptors(program, slab, stage)  # type: ignore[arg-type]
+        runs.update(byte_map(list(zip(rs.tolist(), rd.tolist(), rz.tolist()))))
+        # every run lies inside its staging buffer
+        side = rs if store else rd
+        assert all(stage <= a and a + z <= stage + program.rows_per_slab * program.rows.span
+                   for a, z in zip(side.tolist(), rz.tolist()))  # type: ignore[attr-defined]
+    if store:  # gpu -> stage (kernel), stage -> host (runs)
+        assert set(runs.values()) <= set(kernel), "a run reads staging bytes nobody packed"
+        return {h: kernel[s] for h, s in runs.items()}
+    # host -> stage (runs), stage -> gpu (kernel)
+    assert set(kernel.values()) <= set(runs), "the unpack reads staging bytes no run filled"
+    return {g: runs[s] for g, s in kernel.items()}
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenario(), st.data())
+def test_staged_program_matches_oracle(s: dict, data: st.DataObject) -> None:  # type: ignore[type-arg]
+    table, expected, row = _setup(s, data)
+    plan = build_plan(table, s["gpu"], s["cpu"], s["gsizes"], s["bidx"], s["store"],
+                      s["num_chunks"])
+    span_rows = data.draw(st.integers(1, 4))
+    program = build_staged(plan, s["store"], span_rows * max(row, 1))
+    assert program is not None
+    assert program.nbytes == plan.nbytes
+    got = _compose(table, program, s["store"])
+    # exactly the oracle's bytes: nothing outside a partial chunk's covered sub-blocks
+    assert got == byte_map(expected)
+    # runs are maximal: no two runs of a slab are contiguous on both sides
+    for slab in program.slabs:
+        so, hp, sz = slab.stage_off, slab.host_ptr, slab.sizes
+        order = np.argsort(hp)
+        so, hp, sz = so[order], hp[order], sz[order]
+        assert not ((so[:-1] + sz[:-1] == so[1:]) & (hp[:-1] + sz[:-1] == hp[1:])).any()
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenario(), st.data())
+def test_staged_layer_split_matches_oracle(s: dict, data: st.DataObject) -> None:  # type: ignore[type-arg]
+    """Each layer of a layer-wise load stages only its own tensors' part of the rows."""
+    assume(not s["store"])
+    table, expected, row = _setup(s, data)
+    plan = build_plan(table, s["gpu"], s["cpu"], s["gsizes"], s["bidx"], False,
+                      s["num_chunks"])
+    merged: dict[int, int] = {}
+    for part in split_plan(plan, s["layers"]):
+        program = build_staged(part, False, 2 * max(row, 1))
+        assert program is not None
+        got = _compose(table, program, False)
+        assert not set(got) & set(merged)
+        merged.update(got)
+    assert merged == byte_map(expected)
+
+
+def test_full_consecutive_chunks_are_one_run() -> None:
+    """Fully covered chunks with consecutive ids move as one run of whole rows."""
+    n_t, page, bpc = 3, 32, 2
+    tensors = [KVTensor(np.zeros((16, page), np.uint8)) for _ in range(n_t)]
+    layout = KVCacheLayout(tensors)
+    row = n_t * page * bpc
+    gpu = SideGeometry([BIG * (t + 1) for t in range(n_t)], [page] * n_t, [0] * n_t,
+                       [16] * n_t, 1)
+    host = SideGeometry([BIG * 10 + t * page * bpc for t in range(n_t)], [row] * n_t,
+                        [page] * n_t, [8] * n_t, bpc)
+    table = build_ref_table(layout, gpu, host, True, False)
+    plan = build_plan(table, [9, 1, 5, 3, 7, 2], [4, 5, 6], None, None, True, 8)
+    program = build_staged(plan, True, 64 * row)
+    assert program is not None and len(program.slabs) == 1
+    slab = program.slabs[0]
+    assert slab.host_ptr.tolist() == [BIG * 10 + 4 * row]
+    assert slab.sizes.tolist() == [3 * row]
+    # a group starting mid-chunk (skip 1) and ending mid-chunk covers only its sub-blocks
+    plan = build_plan(table, [9, 1], [4, 5], None, [1], True, 8)
+    program = build_staged(plan, True, 64 * row)
+    assert program is not None
+    runs = sorted(zip(program.slabs[0].host_ptr.tolist(), program.slabs[0].sizes.tolist()))
+    base4, base5 = BIG * 10 + 4 * row, BIG * 10 + 5 * row
+    # chunk 4 keeps sub-block 1 of each tensor, chunk 5 sub-block 0; the last tensor's
+    # part of row 4 ends where row 5 (tensor 0, sub-block 0) starts: one run
+    assert runs == [(base4 + 32, 32), (base4 + 96, 32), (base4 + 160, 64), (base5 + 64, 32),
+                    (base5 + 128, 32)]
