@@ -75,6 +75,11 @@ class Offloader:
     submitted; transfers of one direction run and complete in call order, the two
     directions are independent.
 
+    The host copy is row-contiguous: one row per CPU chunk holding every KV tensor's
+    `blocks_per_chunk` sub-blocks side by side (tensors ordered by KV-cache group), so the
+    "staged" copy path moves whole rows; `cpu_tensors` are per-tensor (strided) views.
+    `staging_bytes` sets the staged path's staging memory per direction.
+
     `completion` picks how awaits learn of completions: "hybrid" (default) polls from the
     event loop near a transfer's predicted end, "thread" only wakes the loop from the
     completion thread (no polling at all; higher latency).
@@ -95,6 +100,7 @@ class Offloader:
         compute_stream: Any | None = None,
         max_streams: int = 4,
         completion: str = "hybrid",
+        staging_bytes: int | None = None,
     ) -> None:
         if not isinstance(layout, KVCacheLayout):
             raise InvalidTransferError(f"layout must be a KVCacheLayout, got {type(layout)}")
@@ -117,6 +123,13 @@ class Offloader:
             self.backend = load_backend(
                 _pick_backend(backend, layout), tensor_kind=first.kind, device_id=first.device_id
             )
+        if staging_bytes is not None:
+            if (isinstance(staging_bytes, bool) or not isinstance(staging_bytes, int)
+                    or staging_bytes < 2):
+                raise InvalidTransferError(
+                    f"staging_bytes must be an int >= 2, got {staging_bytes!r}")
+            if hasattr(self.backend, "staging_bytes"):
+                self.backend.staging_bytes = int(staging_bytes)
         if copy_path != "auto" and copy_path not in self.backend.paths:
             raise InvalidTransferError(
                 f"copy_path {copy_path!r} is not one of {('auto', *self.backend.paths)}"
@@ -214,6 +227,13 @@ class Offloader:
         if self._closed:
             raise OffloaderClosedError("the offloader is closed; its host memory is released")
         return list(self._cpu_views)
+
+    @property
+    def staging_bytes(self) -> int:
+        """Staging memory per direction of the "staged" copy path (two buffers of half
+        each; on CUDA in device memory, allocated at the path's first use); 0 where the
+        backend has no staged path."""
+        return int(getattr(self.backend, "staging_bytes", 0))
 
     @property
     def closed(self) -> bool:

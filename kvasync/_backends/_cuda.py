@@ -45,9 +45,11 @@ import numpy as np
 
 from .._errors import BackendUnavailableError, InvalidTransferError, TransferFailedError
 from .._hostmem import MAX_REGISTER_CHUNK_BYTES, host_memory
+from .._staged import build_staged, prepare_staged
 from . import _cudart
 from ._base import Backend, Direction, Event, HostMemory, Stream
 from ._cuda_kernels import CopyKernels, PackedTable, pack_job, pack_table, split_descriptors
+from ._cuda_staged import StagingRing, enqueue_staged
 from ._cudart import cupy
 
 if TYPE_CHECKING:
@@ -431,7 +433,12 @@ class CudaBackend(Backend):
     """
 
     name = "cuda"
-    paths = ("auto", "kernel", "dma")
+    paths = ("auto", "kernel", "dma", "staged")
+    #: device staging bytes per direction of the "staged" path (two buffers of half each)
+    STAGING_BYTES = 64 << 20
+    #: "auto" sends transfers of at least this many bytes to "staged" (when the plan can be
+    #: staged and the lane is not urgent); 0 turns staged off under "auto"
+    STAGED_MIN_BYTES = 256 << 10
     poll_from_await = True
     reads_plan_later = False  # descriptors and slot ids are packed during enqueue_copy
 
@@ -473,7 +480,13 @@ class CudaBackend(Backend):
         self._torch_raw_stream: Callable[[int], int] | None = None
         #: how many transfers each concrete path ran (for tests and the benchmark)
         self.counts: dict[str, int] = {"kernel": 0, "dma": 0, "dma_batch": 0, "dma_each": 0,
-                                       "dma_fanned": 0}
+                                       "dma_fanned": 0, "staged": 0}
+        #: staging bytes per direction of the "staged" path (set before its first use)
+        self.staging_bytes = self.STAGING_BYTES
+        #: CTAs of the staged path's pack/unpack kernel (0: one per SM, set at warm-up)
+        self.staged_grid = 0
+        self._rings: dict[str, StagingRing] = {}
+        self._ring_lock = threading.Lock()
         #: helper streams of fanned-out DMA batches, per main stream handle
         self._fans: dict[int, _Fan] = {}
         #: cudaHostRegister / cudaHostUnregister on this device; not bound methods: host
@@ -502,6 +515,12 @@ class CudaBackend(Backend):
                               "DMA path will be used", exc)
                 if self._use_batch_api is not False:
                     self._batch = _cudart.batch_copier()
+                if not self.staged_grid:
+                    try:
+                        self.staged_grid = int(cupy().cuda.Device(self.device_id)
+                                               .attributes["MultiProcessorCount"])
+                    except Exception:
+                        self.staged_grid = 4 * DEFAULT_GRID
                 rt = cupy().cuda.runtime
                 try:
                     if not rt.deviceGetAttribute(
@@ -646,6 +665,15 @@ class CudaBackend(Backend):
             raise InvalidTransferError(f"unknown copy path {path!r}; choose one of {self.paths}")
         if path == "dma":
             return "dma"
+        if path == "staged":
+            if not self.kernel_available:
+                if not self._warned_unpinned:
+                    self._warned_unpinned = True
+                    log.warning("kvasync: copy path 'staged' needs working kernels; using "
+                                "'dma'")
+                return "dma"
+            prepare_staged(plan, direction, self._ring(direction).slab_bytes)
+            return "staged"
         if not host_pinned or not self.kernel_available:
             if path == "kernel" and not self._warned_unpinned:
                 self._warned_unpinned = True
@@ -662,6 +690,11 @@ class CudaBackend(Backend):
             return "kernel"
         if plan.num_descriptors == 0:
             return "dma"
+        if self.STAGED_MIN_BYTES and plan.nbytes >= self.STAGED_MIN_BYTES:
+            program = build_staged(plan, direction == "d2h", self._ring(direction).slab_bytes)
+            if program is not None:
+                plan.staged = program
+                return "staged"
         if (other_busy and self.CONTENDED_DMA_BYTES
                 and plan.nbytes >= self.CONTENDED_DMA_BYTES * plan.num_descriptors):
             return "dma"
@@ -814,7 +847,7 @@ class CudaBackend(Backend):
         enqueued."""
         if path == "auto":
             path = self.resolve_path(path, direction, plan, True)
-        if path not in _PATHS:
+        if path not in _PATHS and path != "staged":
             raise InvalidTransferError(f"unknown copy path {path!r}; choose one of {self.paths}")
         if not isinstance(stream, CudaStream):
             raise InvalidTransferError(f"expected a CudaStream, got {type(stream).__name__}")
@@ -826,7 +859,7 @@ class CudaBackend(Backend):
             raise TransferFailedError("the cuda backend is closed")
         if not self._ready:
             self.warm_up()
-        if path == "kernel" and self._kernel_error is not None:
+        if path in ("kernel", "staged") and self._kernel_error is not None:
             raise TransferFailedError(f"copy kernels unavailable: {self._kernel_error}")
         if cupy().cuda.runtime.getDevice() == self.device_id:  # cheaper than a Device()
             self._copy(stream, plan, direction, path, fan)
@@ -839,11 +872,29 @@ class CudaBackend(Backend):
               fan: _FanRound | None) -> None:
         if path == "kernel":
             self._kernel_copy(stream, plan, direction)
+        elif path == "staged":
+            enqueue_staged(self, self._ring(direction), stream, plan, direction,
+                           self.staged_grid or DEFAULT_GRID)
         else:
             self._dma_copy(stream, plan, direction, fan)
 
-    def _kernel_copy(self, stream: CudaStream, plan: TransferPlan, direction: Direction
-                     ) -> None:
+    def _ring(self, direction: str) -> StagingRing:
+        """The staging ring of `direction` (allocated at first use: 2 x staging_bytes/2)."""
+        ring = self._rings.get(direction)
+        if ring is not None:
+            return ring
+        with self._ring_lock:
+            ring = self._rings.get(direction)
+            if ring is None:
+                ring = StagingRing(self, max(int(self.staging_bytes) // 2, 1))
+                self._rings[direction] = ring
+            return ring
+
+    def _kernel_copy(self, stream: CudaStream, plan: TransferPlan, direction: Direction,
+                     grid: int | None = None) -> None:
+        """Launch the table kernel (plans) or the flat one (raw descriptors) on `stream`
+        with `grid` CTAs (default `self.grid`)."""
+        grid = self.grid if grid is None else grid
         rt = cupy().cuda.runtime
         if plan.segments and plan._flat is None and self._table_kernel_fits(plan):
             entry = self._table_entry(plan.table, stream, plan.keepalive)
@@ -860,7 +911,7 @@ class CudaBackend(Backend):
                 return
             rt.memcpyAsync(st.dev_ptr, st.host_ptr, len(job.words) * 8, _H2D, stream.ptr)
             self._kernels.launch_table(stream.owner, entry.rows_addr, entry.frags_addr,
-                                       entry.packed, st.dev_ptr, job, self.grid)
+                                       entry.packed, st.dev_ptr, job, grid)
             return
         src, dst, sizes = split_descriptors(*plan.flat())
         n = len(sizes)
@@ -870,7 +921,7 @@ class CudaBackend(Backend):
         st.words[2 * n : 3 * n] = sizes
         plan.keepalive.append(st)
         rt.memcpyAsync(st.dev_ptr, st.host_ptr, 3 * n * 8, _H2D, stream.ptr)
-        self._kernels.launch_flat(stream.owner, st.dev_ptr, n, self.grid)
+        self._kernels.launch_flat(stream.owner, st.dev_ptr, n, grid)
 
     @staticmethod
     def _table_kernel_fits(plan: TransferPlan) -> bool:
@@ -1008,6 +1059,7 @@ class CudaBackend(Backend):
         self._closed = True
         self._staging.close()
         self._tables.clear()
+        self._rings.clear()
         self._fans.clear()
         self._pinned_cache.clear()
 

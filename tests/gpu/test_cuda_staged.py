@@ -1,0 +1,140 @@
+"""The CUDA staged path: pack/unpack through the staging ring plus row DMA, on the GPU."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+import kvasync as kv
+
+pytestmark = pytest.mark.gpu
+
+
+def _torch() -> Any:
+    import torch
+
+    return torch
+
+
+def _u8(shape: tuple[int, ...], seed: int) -> Any:
+    host = np.random.default_rng(seed).integers(0, 256, shape, dtype=np.uint8)
+    return _torch().from_numpy(host).cuda()
+
+
+def _np(t: Any) -> np.ndarray:
+    torch = _torch()
+    torch.cuda.synchronize()
+    return np.ascontiguousarray(t.cpu().numpy())
+
+
+@pytest.mark.asyncio
+async def test_partial_chunks_leave_neighbouring_sub_blocks_untouched() -> None:
+    """A group starting mid-chunk and ending mid-chunk: the store writes only its covered
+    sub-blocks of the host rows, the load only its GPU blocks."""
+    bpc, page, blocks, chunks = 4, 4096, 32, 8
+    gpu = [_u8((blocks, page), seed=i) for i in range(3)]
+    layout = kv.KVCacheLayout.from_tensors(gpu)
+    off = kv.Offloader(layout, chunks, bpc, backend="cuda", copy_path="staged")
+    sentinel = [np.full(v.shape, 0xA5, np.uint8) for v in off.cpu_tensors]
+    for v, s in zip(off.cpu_tensors, sentinel):
+        v[:] = s
+    # 6 blocks from logical index 2: chunk 3 gets sub-blocks 2, 3; chunk 5 gets 0..3
+    ids = [9, 1, 30, 4, 17, 22]
+    r = await off.store(gpu_blocks=ids, cpu_chunks=[3, 5], block_indices=[2])
+    assert r.success and off.backend.counts["staged"] == 1  # type: ignore[attr-defined]
+    for t in range(3):
+        host = off.cpu_tensors[t]
+        src = _np(gpu[t])
+        exp = sentinel[t].copy()
+        exp[3, 2 * page : 4 * page] = src[ids[:2]].ravel()
+        exp[5] = src[ids[2:]].ravel()
+        np.testing.assert_array_equal(host, exp, f"tensor {t}")
+    # load two sub-blocks back into fresh blocks; every other GPU byte stays as it was
+    before = [_np(g) for g in gpu]
+    r = await off.load(cpu_chunks=[3], gpu_blocks=[0, 31], block_indices=[2])
+    assert r.success
+    for t in range(3):
+        exp = before[t].copy()
+        exp[[0, 31]] = before[t][ids[:2]]
+        np.testing.assert_array_equal(_np(gpu[t]), exp, f"tensor {t}")
+    await off.aclose()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("staging_mib", [1, 64])
+async def test_many_slabs_round_trip_exactly_and_in_order(staging_mib: int) -> None:
+    """A transfer bigger than the ring pipelines slab after slab through both buffers; a
+    later store to the same chunks wins; loads after stores read what they wrote."""
+    page, blocks, n_t = 16384, 512, 8
+    gpu = [_u8((blocks, page), seed=10 + i) for i in range(n_t)]
+    off = kv.Offloader(kv.KVCacheLayout.from_tensors(gpu), blocks, backend="cuda",
+                       copy_path="staged", staging_bytes=staging_mib << 20)
+    assert off.staging_bytes == staging_mib << 20
+    rng = np.random.default_rng(3)
+    first, second = rng.permutation(blocks), rng.permutation(blocks)
+    chunks = rng.permutation(blocks)
+    off.store(gpu_blocks=first, cpu_chunks=chunks)
+    await off.store(gpu_blocks=second, cpu_chunks=chunks)
+    ref = [_np(g) for g in gpu]
+    for t in range(n_t):
+        np.testing.assert_array_equal(off.cpu_tensors[t][chunks], ref[t][second])
+    for g in gpu:
+        g.zero_()
+    target = rng.permutation(blocks)
+    await off.load(cpu_chunks=chunks, gpu_blocks=target)
+    for t in range(n_t):
+        np.testing.assert_array_equal(_np(gpu[t])[target], ref[t][second])
+    await off.aclose()
+
+
+@pytest.mark.asyncio
+async def test_auto_stages_big_transfers_and_keeps_the_kernel_for_urgent_ones() -> None:
+    page, blocks, n_t = 4096, 256, 16
+    gpu = [_u8((blocks, page), seed=40 + i) for i in range(n_t)]
+    off = kv.Offloader(kv.KVCacheLayout.from_tensors(gpu), blocks, backend="cuda")
+    be: Any = off.backend
+    before = dict(be.counts)
+    await off.store(gpu_blocks=list(range(64)), cpu_chunks=list(range(64)))  # 4 MiB: staged
+    assert be.counts["staged"] - before["staged"] == 1
+    await off.load(cpu_chunks=[0], gpu_blocks=[100], urgent=True)  # urgent: the kernel passes queued DMA
+    assert be.counts["kernel"] - before["kernel"] == 1
+    ref = _np(gpu[3])
+    np.testing.assert_array_equal(ref[100], ref[0])
+    await off.aclose()
+
+
+@pytest.mark.asyncio
+async def test_layerwise_staged_loads_signal_each_layer() -> None:
+    page, blocks, layers = 8192, 64, 6
+    gpu = [_u8((blocks, page), seed=60 + i) for i in range(2 * layers)]
+    off = kv.Offloader(kv.KVCacheLayout.from_tensors(gpu), blocks, backend="cuda",
+                       copy_path="staged")
+    await off.store(gpu_blocks=list(range(32)), cpu_chunks=list(range(32)))
+    ref = [_np(g) for g in gpu]
+    for g in gpu:
+        g.zero_()
+    spec = [[2 * i, 2 * i + 1] for i in range(layers)]
+    t = off.load_layerwise(cpu_chunks=list(range(32)), gpu_blocks=list(range(32, 64)),
+                           layers=spec)
+    for i in range(layers):
+        r = await t.layers[i]
+        assert r.success
+        for k in spec[i]:
+            np.testing.assert_array_equal(_np(gpu[k])[32:], ref[k][:32])
+    await t
+    await off.aclose()
+
+
+def test_unstageable_plans_are_refused_before_anything_is_enqueued() -> None:
+    """A row larger than one staging buffer: explicit 'staged' raises, 'auto' falls back."""
+    page, blocks = 1 << 20, 4
+    gpu = [_u8((blocks, page), seed=80 + i) for i in range(4)]
+    off = kv.Offloader(kv.KVCacheLayout.from_tensors(gpu), blocks, backend="cuda",
+                       staging_bytes=2 << 20)
+    with pytest.raises(kv.InvalidTransferError, match="staged"):
+        off.store(gpu_blocks=[0], cpu_chunks=[0], path="staged")
+    assert off.store(gpu_blocks=[0, 1], cpu_chunks=[0, 1]).wait(30).success
+    assert off.backend.counts["staged"] == 0  # type: ignore[attr-defined]
+    off.close()
