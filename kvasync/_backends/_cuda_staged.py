@@ -14,10 +14,10 @@ Facts this path is built on (H200, ../shared/probes/staged_rows.py and the bench
   runs on the transfer's stream, the DMA on a helper stream, and events hand each buffer
   back and forth.
 
-Per slab, one `enqueue` makes: one pinned job upload and one kernel launch (the table
-kernel over a staging `RefTable`), one DMA call (`cudaMemcpyAsync` for up to 4 runs, else
-one `cuMemcpyBatchAsync`), and three event calls. Host work does not grow with the number of
-KV tensors.
+Per transfer, one pinned job upload (every slab's kernel job); per slab one kernel launch
+(the table kernel over a staging `RefTable` of its buffer), one DMA call
+(`cudaMemcpyAsync` for up to 4 runs, else one `cuMemcpyBatchAsync`) and four event calls.
+Host work does not grow with the number of KV tensors.
 """
 
 from __future__ import annotations
@@ -25,15 +25,22 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from .._descriptors import TransferPlan
-from .._staged import StagedProgram, kernel_plan, prepare_staged, slab_descriptors
+from .._errors import TransferFailedError
+from .._staged import StagedProgram, prepare_staged, slab_descriptors, staging_table
+from . import _cudart
 from ._base import Direction
+from ._cuda_kernels import pack_job
 from ._cudart import cupy
 
 if TYPE_CHECKING:
     from ._cuda import CudaBackend, CudaEvent, CudaStream
 
 __all__ = ["StagingRing", "enqueue_staged"]
+
+_H2D = 1  # cudaMemcpyHostToDevice
 
 
 class StagingRing:
@@ -66,6 +73,8 @@ def enqueue_staged(backend: CudaBackend, ring: StagingRing, stream: CudaStream,
     """Enqueue `plan`'s staged program on `stream` (kernel side) and the ring's helper
     stream (copy engines); when `stream` reaches its next event, every slab has landed.
 
+    Every slab's kernel job is packed into one pinned buffer and uploaded with one copy
+    before anything else (so no job upload queues behind row DMA on a copy engine).
     Stores: pack slab k into buffer b (after b's last DMA), DMA b -> host rows on the
     helper; `stream` finally waits for the last DMA. Loads: the helper waits for `stream`'s
     position (compute and FIFO waits), DMAs rows into b (after b's last unpack), and
@@ -75,39 +84,81 @@ def enqueue_staged(backend: CudaBackend, ring: StagingRing, stream: CudaStream,
         return
     store = direction == "d2h"
     helper = ring.helper
-    plan.keepalive.append(ring)
+    keep = plan.keepalive
+    keep.append(ring)
     with ring.lock:
+        first = ring.next
+        entries = [backend._table_entry(
+            staging_table(plan.table, program.rows, store, ring.ptrs[b], program.rows_per_slab),
+            stream, keep) for b in ((first, 1 - first) if len(program.slabs) > 1 else (first,))]
+        jobs = [pack_job(slab.segments, entries[k % len(entries)].packed.pieces, None,
+                         entries[k % len(entries)].pieces)
+                for k, slab in enumerate(program.slabs)]
+        offsets = [0]
+        for job in jobs:
+            offsets.append(offsets[-1] + len(job.words))
+        st = backend._staging.take(offsets[-1])
+        keep.append(st)
+        for job, off in zip(jobs, offsets):
+            st.words[off : off + len(job.words)] = job.words
+        rt = cupy().cuda.runtime
+        rt.memcpyAsync(st.dev_ptr, st.host_ptr, offsets[-1] * 8, _H2D, stream.ptr)
         if not store:
             fork = backend.new_event(timing=False)
             stream.record(fork)
             helper.wait_event(fork)
-            plan.keepalive.append(fork)
-        last = 0
-        for slab in program.slabs:
+            keep.append(fork)
+        last = first
+        for k, slab in enumerate(program.slabs):
             b = ring.next
             ring.next = 1 - b
             last = b
-            kplan = kernel_plan(program, slab, plan.table, ring.ptrs[b])
+            entry = entries[k % len(entries)]
+            job_addr = st.dev_ptr + offsets[k] * 8
             src, dst, sizes = slab_descriptors(program, slab, ring.ptrs[b])
-            runs = TransferPlan.raw(None, src, dst, sizes)  # type: ignore[arg-type]
             if store:
                 stream.wait_event(ring.free[b])
-                backend._kernel_copy(stream, kplan, direction, grid)
+                if jobs[k].total_units:
+                    backend._kernels.launch_table(stream.owner, entry.rows_addr,
+                                                  entry.frags_addr, entry.packed, job_addr,
+                                                  jobs[k], grid)
                 stream.record(ring.ready[b])
                 helper.wait_event(ring.ready[b])
-                backend._dma_copy(helper, runs, direction)  # type: ignore[arg-type]
+                _dma(backend, helper, src, dst, sizes, store)
                 helper.record(ring.free[b])
             else:
                 helper.wait_event(ring.free[b])
-                backend._dma_copy(helper, runs, direction)  # type: ignore[arg-type]
+                _dma(backend, helper, src, dst, sizes, store)
                 helper.record(ring.ready[b])
                 stream.wait_event(ring.ready[b])
-                backend._kernel_copy(stream, kplan, direction, grid)
+                if jobs[k].total_units:
+                    backend._kernels.launch_table(stream.owner, entry.rows_addr,
+                                                  entry.frags_addr, entry.packed, job_addr,
+                                                  jobs[k], grid)
                 stream.record(ring.free[b])
-            plan.keepalive.append(kplan)
-            plan.keepalive.append(runs)
+            keep.append((src, dst, sizes))
         if store:
             stream.wait_event(ring.free[last])
+
+
+#: up to this many runs, one cudaMemcpyAsync each (cheaper than a batch call)
+EACH_RUNS = 4
+
+
+def _dma(backend: CudaBackend, helper: CudaStream, src: np.ndarray, dst: np.ndarray,
+         sizes: np.ndarray, store: bool) -> None:
+    """One slab's runs on the helper stream: plain copies for a few, else one batch call
+    (not fanned out: the runs are long, and each fork/join costs ~17 API calls)."""
+    batch = backend._batch
+    try:
+        if batch is None or len(sizes) <= EACH_RUNS:
+            _cudart.memcpy_runs(zip(src.tolist(), dst.tolist(), sizes.tolist()), helper.ptr)
+        else:
+            order = _cudart.ACCESS_ORDER_STREAM if store else _cudart.ACCESS_ORDER_ANY
+            src_dev, dst_dev = (backend.device_id, -1) if store else (-1, backend.device_id)
+            batch(src, dst, sizes, helper.ptr, order, src_dev, dst_dev)
+    except _cudart.CudaCallError as exc:
+        raise TransferFailedError(f"staged row copy failed: {exc}") from exc
 
 
 def staged_info(ring: StagingRing | None) -> dict[str, Any]:
