@@ -14,6 +14,7 @@ import pytest
 
 from kvasync.bench.__main__ import main
 from kvasync.bench.common import HOST_LABEL, KiB, Run
+from kvasync.bench.context import cuda_unavailable_reason
 
 ROOT = Path(__file__).resolve().parents[2]
 #: runs the bench as `python -m kvasync.bench ARGS` with `import cupy` failing, as on a CPU
@@ -111,9 +112,7 @@ def test_cuda_backend_without_a_gpu_is_a_clear_message(tmp_path: Path) -> None:
 @pytest.mark.timeout(120)
 def test_cupy_without_a_device_is_a_clear_message(tmp_path: Path) -> None:
     pytest.importorskip("cupy")
-    from conftest import HAS_GPU
-
-    if HAS_GPU:
+    if cuda_unavailable_reason() is None:
         pytest.skip("a GPU is present")
     res = bench(tmp_path, "--backend", "cuda", "--quick", no_cupy=False)
     assert res.returncode == 2 and "Traceback" not in res.stderr
