@@ -1,0 +1,143 @@
+"""`python -m kvasync.bench` on a machine without a GPU: it runs on the host backend, labels
+the run as such, skips the GPU-only sections with the reason, and writes a valid bench.json."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvasync.bench.__main__ import main
+from kvasync.bench.common import HOST_LABEL, KiB, Run
+from kvasync.bench.context import cuda_unavailable_reason
+
+ROOT = Path(__file__).resolve().parents[2]
+#: runs the bench as `python -m kvasync.bench ARGS` with `import cupy` failing, as on a CPU
+#: machine where CuPy is not installed at all
+NO_CUPY = ("import runpy, sys; sys.modules['cupy'] = None; "
+           "sys.argv = ['kvasync.bench', *sys.argv[1:]]; "
+           "runpy.run_module('kvasync.bench', run_name='__main__', alter_sys=True)")
+REQUIRED = ("section", "path", "direction", "page_bytes", "ratio", "gbps", "values", "extra")
+
+
+def bench(cwd: Path, *args: str, no_cupy: bool = True) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    cmd = [sys.executable, "-c", NO_CUPY] if no_cupy else [sys.executable, "-m", "kvasync.bench"]
+    return subprocess.run([*cmd, *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=600, check=False)
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    """One `--quick --out DIR` run without CuPy, shared by the tests below."""
+    out = tmp_path_factory.mktemp("bench")
+    res = bench(out, "--quick", "--out", str(out / "run"))
+    return out / "run", res
+
+
+@pytest.mark.timeout(600)
+def test_quick_run_without_cupy_runs_on_the_host_backend(quick_run: tuple[Path, Any]) -> None:
+    out, res = quick_run
+    assert res.returncode == 0, res.stderr[-3000:]
+    both = res.stdout + res.stderr
+    assert "Traceback" not in both and "ModuleNotFoundError" not in both, both[-3000:]
+    assert HOST_LABEL in res.stdout
+    for section in ("interference", "cpu", "layerwise"):
+        assert f"skipped {section}: needs a CUDA GPU (CuPy is not installed" in res.stdout
+    assert (out / "bench.txt").read_text() == res.stdout
+
+
+@pytest.mark.timeout(600)
+def test_quick_run_writes_a_valid_bench_json(quick_run: tuple[Path, Any]) -> None:
+    out, res = quick_run
+    assert res.returncode == 0, res.stderr[-3000:]
+    data = json.loads((out / "bench.json").read_text())
+    meta = data["meta"]
+    assert meta["backend"] == "host" and meta["format"] == 1
+    assert meta["command"] == f"python -m kvasync.bench --quick --out {out}"
+    assert meta["date"] and meta["device"].startswith("host CPU")
+    assert meta["paths"][0] == "auto" and "memmove" in meta["paths"]
+    assert set(meta["skipped"]) == {"interference", "cpu", "layerwise"}
+    assert {"h2d", "d2h", "both"} <= set(meta["ceilings_gbps"])
+    rows = data["rows"]
+    for row in rows:
+        assert all(k in row for k in REQUIRED), row
+        assert isinstance(row["extra"], dict) and isinstance(row["values"], dict)
+        assert row["path"] != "error", row
+    sections = {r["section"] for r in rows}
+    assert sections == {"bandwidth", "bidirectional", "latency", "hostcost", "priority", "rate"}
+    bw = {(r["direction"], r["page_bytes"], r["path"]): r for r in rows
+          if r["section"] == "bandwidth"}
+    for d in ("h2d", "d2h"):
+        assert bw[(d, 0, "ceiling")]["ratio"] == 1.0
+        for page in (4 * KiB, 64 * KiB):
+            for path in meta["paths"]:  # every path the backend offers, in every row family
+                r = bw[(d, page, path)]
+                assert r["ratio"] > 0 and r["gbps"] > 0 and r["ceiling_gbps"] > 0
+                assert r["ratio"] == pytest.approx(r["gbps"] / r["ceiling_gbps"], abs=0.01)
+                assert r["extra"]["ran"] == "memmove"
+    for section in ("bidirectional", "latency", "hostcost", "priority", "rate"):
+        assert {r["path"] for r in rows if r["section"] == section} >= set(meta["paths"])
+    inflight = [r for r in rows if r["section"] == "rate" and "inflight" in r["extra"]]
+    assert inflight and inflight[0]["extra"]["lost"] == 0
+    assert inflight[0]["extra"]["completed_in_order"] is True
+    Run.from_json((out / "bench.json").read_text())  # the reader accepts what the run wrote
+
+
+@pytest.mark.timeout(600)
+def test_saved_run_re_renders_without_measuring(quick_run: tuple[Path, Any], tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    out, res = quick_run
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert main(["--from-json", str(out / "bench.json"), "--out", str(tmp_path)]) == 0
+    assert capsys.readouterr().out == res.stdout
+    assert (tmp_path / "bench.txt").read_text() == res.stdout
+
+
+@pytest.mark.timeout(120)
+def test_cuda_backend_without_a_gpu_is_a_clear_message(tmp_path: Path) -> None:
+    res = bench(tmp_path, "--backend", "cuda", "--quick", "--out", str(tmp_path / "o"))
+    assert res.returncode == 2
+    assert "--backend cuda cannot run here: CuPy is not installed" in res.stderr
+    assert "Traceback" not in res.stderr
+    assert not (tmp_path / "o" / "bench.json").exists()
+
+
+@pytest.mark.timeout(120)
+def test_cupy_without_a_device_is_a_clear_message(tmp_path: Path) -> None:
+    pytest.importorskip("cupy")
+    if cuda_unavailable_reason() is None:
+        pytest.skip("a GPU is present")
+    res = bench(tmp_path, "--backend", "cuda", "--quick", no_cupy=False)
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert "cannot run here: CuPy sees no usable CUDA GPU" in res.stderr
+
+
+def test_bad_arguments_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    for args, words in ((["--sections", "bandwidth,nope"], "unknown section(s) ['nope']"),
+                        (["--pages", "4X"], "--pages"), (["--reps", "0"], "--reps must be >= 1")):
+        with pytest.raises(SystemExit) as exc:
+            main(args)
+        assert exc.value.code == 2
+        assert words in capsys.readouterr().err
+
+
+def test_too_small_a_transfer_for_the_layout_is_refused(capsys: pytest.CaptureFixture[str]
+                                                        ) -> None:
+    assert main(["--backend", "host", "--total-mib", "1", "--tensors", "64", "--pages", "64K",
+                 "--sections", "bandwidth"]) == 2
+    assert "cannot hold one block of 64 tensors x 64 KiB" in capsys.readouterr().err
+
+
+def test_list_names_every_section(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--list"]) == 0
+    text = capsys.readouterr().out
+    for name in ("bandwidth", "interference", "bidirectional", "latency", "cpu", "hostcost",
+                 "priority", "layerwise", "rate"):
+        assert name in text
