@@ -1,9 +1,12 @@
 """kvasync tensor-parallel example: N rank processes share ONE host region.
 
-Each rank is its own process, as in a TP deployment. They open one `SharedHostRegion` in
-/dev/shm (the first creates it, the others join, all meet at a barrier, then the file is
-unlinked so nothing leaks), store their KV into the parallelism-free canonical layout, and
-readers of ANOTHER TP degree load their own shard back and check every byte.
+Each rank is its own process, as in a TP deployment. The launcher makes one region name with
+a per-job token (`SharedHostRegion.new_name`) and hands it to the ranks. They open one
+`SharedHostRegion` in /dev/shm (the first creates it, the others join, all meet at a barrier,
+then the creator unlinks the file so nothing leaks), store their KV into the
+parallelism-free canonical layout, and readers of ANOTHER TP degree load their own shard
+back and check every byte. On the CUDA backend the ranks pin the region together: each its
+own slice of the rows, one barrier, then the rest.
 
 Cases:
   heads        NHD pages, 8 KV heads sharded over TP (each rank stores its heads)
@@ -24,18 +27,12 @@ import multiprocessing as mp
 import os
 import sys
 import time
-import uuid
 from typing import Any
 
 import numpy as np
 
 import kvasync as kv
-
-try:  # public names, once exported
-    from kvasync import SharedHostRegion, derive_page_mapping, mla_page_mapping  # type: ignore
-except ImportError:
-    from kvasync._mappings import derive_page_mapping, mla_page_mapping
-    from kvasync._region import SharedHostRegion
+from kvasync import SharedHostRegion, derive_page_mapping, mla_page_mapping
 
 PAGE = mmap.PAGESIZE
 HEADS, HEAD_BYTES, BLOCK_SIZE = 8, 128 * 2, 16  # 8 KV heads x head_dim 128 x bf16, 16 tokens
@@ -105,9 +102,10 @@ def rank_main(name: str, case: str, role: str, tp: int, rank: int, blocks: int, 
         host_kv, mapping = local_kv(case, truth, tp, rank)
         writer = role == "writer"
         canonical = case != "mla-private"
-        # populate=False so the measured memory is what the data really occupies
+        # populate=False so the measured memory is what the data really occupies; every
+        # rank's Offloader pins (CUDA) or none does (host), so pin_barrier is met by all
         region = SharedHostRegion(name, blocks, stride, rank, tp, barrier=barrier.wait,
-                                  populate=False, unlink_owner=writer and rank == 0)
+                                  populate=False, pin_barrier=barrier.wait)
         gpu = to_device(host_kv if writer else np.zeros_like(host_kv), backend)
         refs = [[kv.KVRef(0, mapping=mapping if canonical else None)]]
         layout = kv.KVCacheLayout([kv.KVTensor(gpu)], refs)
@@ -151,7 +149,7 @@ def run_case(case: str, writers: int, readers: int, blocks: int, backend: str) -
     page = heads_page() if case == "heads" else mla_page()
     width = writers * page if case == "mla-private" else page  # private: one slot per rank
     stride = -(-width // PAGE) * PAGE
-    name = f"example-{uuid.uuid4().hex[:10]}"
+    name = SharedHostRegion.new_name("example")  # one per job, handed to every rank
     barrier, out = ctx.Barrier(writers + readers), ctx.Queue()
     procs = [
         ctx.Process(target=rank_main, args=(name, case, role, tp, r, blocks, stride, backend,

@@ -13,22 +13,19 @@ a row (docs/shared-region.md has the picture):
 * canonical views: every rank gets the same bytes from the row start; each rank writes only
   its disjoint fragments of the parallelism-free page (see `kvasync._mappings`).
 
-Lifecycle: the first opener creates the file (exclusive create, mode 0600, free-space check,
-ftruncate); the others join and wait for the size. An optional barrier, called once by every
-opener, marks the point after which the unlink owner removes the path: the mappings stay
-valid and no exit path, SIGKILL included, leaks the file.
+Lifecycle: the first opener creates the file, the others join it once it is vetted (our own
+private regular file of exactly the region's size; `kvasync._region_file` has the rules) and
+sized. An optional barrier, called once by every opener, marks the point after which the
+creator removes the path: the mappings stay valid and no exit path, SIGKILL included, leaks
+the file. Names carry a per-job token (`SharedHostRegion.new_name`).
 """
 
 from __future__ import annotations
 
-import ctypes
-import errno
 import logging
 import mmap
 import os
-import re
 import threading
-import time
 import weakref
 from collections.abc import Callable
 from functools import partial
@@ -50,6 +47,14 @@ from ._hostmem import (
     unpin_chunks,
     unpin_on_collect,
 )
+from ._region_file import RegionFile, check_name, new_name, remove_stale
+from ._region_pages import (
+    MADV_POPULATE_WRITE,
+    pin_coordinated,
+    pin_slice,
+    populate,
+    populate_spans,
+)
 
 __all__ = [
     "MADV_POPULATE_WRITE",
@@ -61,52 +66,27 @@ __all__ = [
 
 log = logging.getLogger("kvasync")
 
-#: Linux >= 5.14: fault pages in for writing without touching their contents
-MADV_POPULATE_WRITE = 23
-
 PAGE = mmap.PAGESIZE
 
-_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,199}")
-
-
-# -- small OS wrappers, module-level so tests can replace them --------------------------------
-
-_libc: ctypes.CDLL | None = None
-
-
-def _madvise(addr: int, length: int, advice: int) -> None:
-    """madvise(2) through ctypes, which drops the GIL for the call (population can take
-    seconds on a big region, and other threads of the rank must keep running)."""
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
-        _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        _libc.madvise.restype = ctypes.c_int
-    if _libc.madvise(addr, length, advice) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"madvise({addr:#x}, {length}, {advice}): {os.strerror(err)}")
-
-
-def _free_bytes(directory: str) -> int:
-    """Bytes an unprivileged process may still allocate in `directory`'s file system."""
-    st = os.statvfs(directory)
-    return int(st.f_bavail) * int(st.f_frsize)
-
-
-def _gib(n: int) -> str:
-    return f"{n / 1024**3:.2f} GiB"
+Populate = bool | Literal["slot", "creator"]
 
 
 class SharedHostRegion:
     """A /dev/shm file of ``num_rows x row_stride`` bytes mapped by every TP rank.
 
-    `rank` is this process's TP rank (None: an unranked opener, e.g. a scheduler-side
-    reader, that makes no worker views and populates the whole region). `barrier`, when
-    given, is called exactly once by every opener, after mapping (and also when setup
-    failed, so peers never hang); after it the unlink owner removes the path. Without a
-    barrier the owner unlinks on `close()`. `unlink_owner` defaults to ``rank == 0``;
-    exactly one opener per path should own it.
+    `name` comes from `new_name` (one process makes it, every rank passes it in). `rank` is
+    this process's TP rank (None: an unranked opener, e.g. a scheduler-side reader, that
+    makes no worker views). `barrier`, when given, is called exactly once by every opener,
+    after mapping (and also when setup failed, so peers never hang); after it the creator
+    removes the path. Without a barrier the creator removes it on `close()`; `keep_file`
+    leaves it for openers that join later (remove it with `remove_stale`). `populate`:
+    True or ``"slot"``, each opener pre-faults its own slot of each row; ``"creator"``, the
+    creator pre-faults the whole file and joiners nothing; False, nobody. `pin_barrier` is
+    the barrier `pin` coordinates with (see `pin`).
     """
+
+    new_name = staticmethod(new_name)
+    remove_stale = staticmethod(remove_stale)
 
     def __init__(
         self,
@@ -119,21 +99,19 @@ class SharedHostRegion:
         barrier: Callable[[], object] | None = None,
         timeout: float = 30.0,
         directory: str = "/dev/shm",
-        populate: bool = True,
-        unlink_owner: bool | None = None,
+        populate: Populate = True,
+        keep_file: bool = False,
+        pin_barrier: Callable[[], object] | None = None,
     ) -> None:
         self._lock = threading.Lock()
-        self._name, self._path, self._owner = "", "", False
+        self._name = ""
+        self._file: RegionFile | None = None
         self._num_rows = self._row_stride = self._world = self._total = 0
         self._rank: int | None = None
-        self._fd = -1
-        # closes the fd if close() is never called (the mapping closes itself on collection)
-        self._fd_closer: weakref.finalize[[int], SharedHostRegion] | None = None
+        self._keep = bool(keep_file)
+        self._pin_barrier = pin_barrier
         # unregisters the pinned chunks if close() is never called, before the unmap
         self._unpinner: weakref.finalize[[], object] | None = None
-        self._ident: tuple[int, int] | None = None  # (st_dev, st_ino) of our file
-        self._creator = False
-        self._unlinked = False
         self._mm: mmap.mmap | None = None
         self._base: np.ndarray | None = None
         self._ptr = 0
@@ -146,17 +124,17 @@ class SharedHostRegion:
 
         error: BaseException | None = None
         try:  # even bad arguments reach the barrier below, so peers never hang
-            self._configure(name, num_rows, row_stride, rank, world_size, timeout, directory,
-                            unlink_owner)
-            self._open(timeout, directory)
+            mode = self._configure(name, num_rows, row_stride, rank, world_size, timeout,
+                                   directory, populate)
+            self._file = RegionFile(directory, self._name, self._total)
+            self._file.open(timeout, f"{self._num_rows} rows x {self._row_stride} B")
             self._map()
-            if populate:
-                self._populate()
+            if mode:
+                self._populate(mode)
         except BaseException as exc:
             error = exc
             # peers must not wedge on a stub: remove the path before the barrier if we made it
-            if self._creator or self._owner:
-                self._unlink()
+            self._unlink()
         if barrier is not None:
             try:
                 barrier()
@@ -165,17 +143,14 @@ class SharedHostRegion:
                     error = exc
                 else:  # the setup error is the one worth reporting
                     log.warning("kvasync: region %s: barrier failed after setup error: %r",
-                                self._path, exc)
+                                self.path, exc)
         if error is not None:
-            if self._creator or self._owner:
-                self._unlink()
+            self._unlink()
             self._closed = True
             self._release()
             raise error
-        if barrier is not None and (self._owner or self._creator):
-            # every opener has mapped the file: nothing can leak from here on. The creator
-            # unlinks too, in case the owner failed and this file is a re-creation.
-            self._unlink()
+        if barrier is not None and not self._keep:
+            self._unlink()  # every opener has mapped the file: nothing can leak from here on
 
     # -- setup ---------------------------------------------------------------------------------
     def _configure(
@@ -187,13 +162,9 @@ class SharedHostRegion:
         world_size: int,
         timeout: float,
         directory: str,
-        unlink_owner: bool | None,
-    ) -> None:
-        if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
-            raise InvalidTransferError(
-                f"region name {name!r} must be 1-200 characters of [A-Za-z0-9._-], not "
-                "starting with '.' or '-'"
-            )
+        populate: Populate,
+    ) -> Literal["slot", "creator"] | None:
+        check_name(name)
         for what, value, low in (
             ("num_rows", num_rows, 1),
             ("row_stride", row_stride, PAGE),
@@ -211,132 +182,43 @@ class SharedHostRegion:
             or not 0 <= rank < world_size
         ):
             raise InvalidTransferError(f"rank must be None or in [0, {world_size}), got {rank!r}")
-        if not timeout > 0:
+        if not isinstance(timeout, (int, float)) or not timeout > 0:
             raise InvalidTransferError(f"timeout must be > 0 seconds, got {timeout!r}")
+        if not isinstance(directory, str) or not directory:
+            raise InvalidTransferError(f"directory must be a path, got {directory!r}")
+        if not (isinstance(populate, bool) or (isinstance(populate, str)
+                and populate in ("slot", "creator"))):
+            raise InvalidTransferError(
+                f"populate must be True, False, 'slot' or 'creator', got {populate!r}"
+            )
         self._name = name
         self._num_rows = int(num_rows)
         self._row_stride = int(row_stride)
         self._rank = None if rank is None else int(rank)
         self._world = int(world_size)
         self._total = self._num_rows * self._row_stride
-        self._path = os.path.join(directory, f"kvasync-{name}.shm")
-        self._owner = (self._rank == 0) if unlink_owner is None else bool(unlink_owner)
-
-    def _open(self, timeout: float, directory: str) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                self._fd = os.open(
-                    self._path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600
-                )
-                self._creator = True
-                break
-            except FileExistsError:
-                pass
-            try:
-                self._fd = os.open(self._path, os.O_RDWR | os.O_CLOEXEC)
-                break
-            except FileNotFoundError:
-                # the creator failed and unlinked between our two opens: try to create again
-                if time.monotonic() > deadline:
-                    raise SharedRegionTimeoutError(
-                        f"{self._path} kept appearing and disappearing for {timeout} s"
-                    ) from None
-        self._fd_closer = weakref.finalize(self, os.close, self._fd)
-        st = os.fstat(self._fd)
-        self._ident = (st.st_dev, st.st_ino)
-        if self._creator:
-            free = _free_bytes(directory)
-            if free < self._total:
-                raise SharedRegionError(
-                    f"{directory} has {_gib(free)} free, the region {self._path} needs "
-                    f"{_gib(self._total)} ({self._num_rows} rows x {self._row_stride} B); "
-                    "enlarge /dev/shm (e.g. docker --shm-size) or use fewer CPU chunks"
-                )
-            os.ftruncate(self._fd, self._total)
-        else:
-            self._wait_for_size(deadline, timeout)
-
-    def _wait_for_size(self, deadline: float, timeout: float) -> None:
-        """Poll until the creator has sized the file; fail fast if it gave up."""
-        delay = 0.001
-        while True:
-            st = os.fstat(self._fd)
-            if st.st_size >= self._total:
-                return
-            if st.st_nlink == 0:
-                raise SharedRegionError(
-                    f"the creator of {self._path} failed (the file was unlinked before it "
-                    "reached its size); see the creator's error"
-                )
-            if time.monotonic() > deadline:
-                raise SharedRegionTimeoutError(
-                    f"{self._path} stayed at {st.st_size} B for {timeout} s, the region needs "
-                    f"{self._total} B; the creator is stuck or died, or a stale file of "
-                    "another size is in the way (remove it)"
-                )
-            time.sleep(delay)
-            delay = min(delay * 2, 0.005)
+        if populate is False:
+            return None
+        return "creator" if populate == "creator" else "slot"
 
     def _map(self) -> None:
+        assert self._file is not None
         self._mm = mmap.mmap(
-            self._fd, self._total, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE
+            self._file.fd, self._total, flags=mmap.MAP_SHARED,
+            prot=mmap.PROT_READ | mmap.PROT_WRITE,
         )
         self._base = np.frombuffer(self._mm, dtype=np.uint8, count=self._total)
         self._ptr = int(self._base.ctypes.data)
 
-    def _populate_spans(self) -> list[tuple[int, int]]:
-        """(offset, length) page-aligned spans this opener pre-faults, contiguous ones merged.
-
-        A ranked opener faults only its slot of each row: together the ranks fault the whole
-        file, and each pays for its share in parallel.
-        """
-        if self._rank is None or self._world == 1:
-            return [(0, self._total)]
-        slot = self._row_stride // self._world
-        lo = self._rank * slot
-        hi = lo + slot if self._rank < self._world - 1 else self._row_stride
-        lo = lo // PAGE * PAGE
-        hi = -(-hi // PAGE) * PAGE
-        spans: list[tuple[int, int]] = []
-        for row in range(self._num_rows):
-            start = row * self._row_stride + lo
-            if spans and spans[-1][0] + spans[-1][1] == start:
-                spans[-1] = (spans[-1][0], spans[-1][1] + hi - lo)
-            else:
-                spans.append((start, hi - lo))
-        return spans
-
-    def _populate(self) -> None:
-        """Fault the pages in now so the first transfers do not pay for page faults.
-
-        MADV_POPULATE_WRITE does it without touching the data; on kernels without it
-        (EINVAL) one byte per page is read and written back (``|= 0``), which keeps bytes a
-        peer already wrote. Other errors (EIO, EFAULT, ENOMEM) propagate.
-        """
-        spans = self._populate_spans()
-        use_madvise = True
-        for i, (off, length) in enumerate(spans):
-            if use_madvise:
-                try:
-                    _madvise(self._ptr + off, length, MADV_POPULATE_WRITE)
-                    continue
-                except OSError as exc:
-                    if exc.errno != errno.EINVAL or i > 0:
-                        raise
-                    use_madvise = False
-            self._touch(off, length)
-        self.populated_with = "madvise" if use_madvise else "touch"
-
-    def _touch(self, off: int, length: int) -> None:
-        assert self._base is not None
-        pages = self._base[off : off + length : PAGE]
-        np.bitwise_or(pages, 0, out=pages)
+    def _populate(self, mode: Literal["slot", "creator"]) -> None:
+        spans = populate_spans(mode, self.is_creator, self._rank, self._world, self._num_rows,
+                               self._row_stride)
+        self.populated_with = populate(self._ptr, spans)
 
     # -- views ---------------------------------------------------------------------------------
     def _check_open(self) -> np.ndarray:
         if self._closed or self._base is None:
-            raise SharedRegionError(f"the region {self._path} is closed")
+            raise SharedRegionError(f"the region {self.path} is closed")
         return self._base
 
     def _view(self, offset: int, page_bytes: int) -> np.ndarray:
@@ -410,26 +292,48 @@ class SharedHostRegion:
 
     # -- pinning -------------------------------------------------------------------------------
     def pin(
-        self, register: Register, unregister: Unregister, cap: int = MAX_REGISTER_CHUNK_BYTES
+        self,
+        register: Register,
+        unregister: Unregister,
+        cap: int = MAX_REGISTER_CHUNK_BYTES,
+        *,
+        barrier: Callable[[], object] | None = None,
     ) -> bool:
         """Page-lock the region in row-aligned chunks of at most `cap` bytes.
 
         Rows never straddle two registrations, so no descriptor does either. If any chunk
         fails, the ones that succeeded are unregistered in reverse and the region stays
         pageable (False): pinning only buys bandwidth, pageable transfers still work.
+
+        With a barrier (`barrier`, else the region's `pin_barrier`) every opener pins its own
+        slice of the rows first (rank r of w: rows ``[r*n//w, (r+1)*n//w)``; unranked: none),
+        calls the barrier exactly once (also when its slice failed), then pins the rest. The
+        first touch of each page (fault, and the kernel's move of the page to where it may be
+        pinned long-term) is thus paid once, by one rank, in parallel; no two ranks race to
+        move the same pages, and the later registrations find them in place. Each process
+        still registers the whole region: a registration serves only its own process.
         """
+        barrier = self._pin_barrier if barrier is None else barrier
         with self._lock:
             self._check_open()
             if self._is_pinned:
                 return True
-            addrs = pin_chunks(self._ptr, self._total, self._row_stride, register, unregister,
-                               cap)
+            if barrier is None:
+                addrs = pin_chunks(self._ptr, self._total, self._row_stride, register,
+                                   unregister, cap)
+            else:
+                addrs = pin_coordinated(self._ptr, self._num_rows, self._row_stride,
+                                        self.pin_slice(), register, unregister, cap, barrier)
             if addrs is None:
                 return False
             self._pinned = addrs
             self._unpinner = unpin_on_collect(self, partial(unpin_chunks, addrs, unregister))
             self._is_pinned = True
             return True
+
+    def pin_slice(self) -> tuple[int, int]:
+        """Rows ``[first, end)`` this opener pins before the barrier of a coordinated pin."""
+        return pin_slice(self._rank, self._world, self._num_rows)
 
     @property
     def is_pinned(self) -> bool:
@@ -442,17 +346,9 @@ class SharedHostRegion:
 
     # -- teardown ------------------------------------------------------------------------------
     def _unlink(self) -> None:
-        """Remove the path if it still names our file (never a newer region's file)."""
-        if self._unlinked or self._ident is None:
-            return  # already done, or we never opened a file: nothing of ours to remove
-        self._unlinked = True
-        try:
-            st = os.stat(self._path)
-            if self._ident is not None and (st.st_dev, st.st_ino) != self._ident:
-                return
-            os.unlink(self._path)
-        except FileNotFoundError:
-            pass
+        """Remove the path if this opener created the file and the path still names it."""
+        if self._file is not None:
+            self._file.unlink()
 
     def _release(self) -> None:
         unpinner, self._unpinner = self._unpinner, None
@@ -469,21 +365,20 @@ class SharedHostRegion:
                 # views handed out are still alive: the mapping stays valid for them and is
                 # unmapped when the last one is collected, never left dangling
                 log.debug("kvasync: region %s still has live views; unmapped on collection",
-                          self._path)
-        if self._fd_closer is not None:
-            self._fd_closer()  # closes the fd exactly once
-            self._fd_closer = None
-        self._fd = -1
+                          self.path)
+        if self._file is not None:
+            self._file.close()
 
     def close(self) -> None:
-        """Unpin (chunks in reverse), unmap, close the file, and unlink if we own the path
-        and nobody has yet. Safe to call twice; live views keep their pages mapped."""
+        """Unpin (chunks in reverse), unmap, close the file, and remove the path if this
+        opener created it and it is still there (unless `keep_file`). Safe to call twice;
+        live views keep their pages mapped."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             self._release()
-            if self._owner:
+            if not self._keep:
                 self._unlink()
 
     def __enter__(self) -> SharedHostRegion:
@@ -493,6 +388,10 @@ class SharedHostRegion:
         self.close()
 
     # -- properties ----------------------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        return self._name
+
     @property
     def base_ptr(self) -> int:
         return self._ptr
@@ -519,7 +418,7 @@ class SharedHostRegion:
 
     @property
     def path(self) -> str:
-        return self._path
+        return "" if self._file is None else self._file.path
 
     @property
     def slot_bytes(self) -> int:
@@ -528,11 +427,7 @@ class SharedHostRegion:
 
     @property
     def is_creator(self) -> bool:
-        return self._creator
-
-    @property
-    def is_unlink_owner(self) -> bool:
-        return self._owner
+        return self._file is not None and self._file.creator
 
     @property
     def closed(self) -> bool:
@@ -543,13 +438,13 @@ class SharedHostRegion:
         """Bytes of the backing file that hold memory now (st_blocks): what the region
         really costs the host, however many ranks map it."""
         with self._lock:
-            if self._fd < 0:
-                raise SharedRegionError(f"the region {self._path} is closed")
-            return int(os.fstat(self._fd).st_blocks) * 512
+            if self._file is None or self._file.fd < 0:
+                raise SharedRegionError(f"the region {self.path} is closed")
+            return int(os.fstat(self._file.fd).st_blocks) * 512
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("pinned" if self._is_pinned else "open")
         return (
-            f"<SharedHostRegion {self._path} {self._num_rows} x {self._row_stride} B "
+            f"<SharedHostRegion {self.path} {self._num_rows} x {self._row_stride} B "
             f"rank {self._rank}/{self._world} {state}>"
         )

@@ -61,8 +61,10 @@ def names() -> Iterator[Callable[[], str]]:
 
     import region_procs as procs
 
+    from kvasync import SharedHostRegion
+
     tag = f"t{uuid.uuid4().hex[:12]}"
     count = iter(range(1000))
-    yield lambda: f"{tag}-{next(count)}"
+    yield lambda: SharedHostRegion.new_name(f"{tag}-{next(count)}")
     for f in procs.shm_leftovers(tag):
         os.unlink(os.path.join("/dev/shm", f))

@@ -24,11 +24,11 @@ def shm_leftovers(tag: str, directory: str = "/dev/shm") -> list[str]:
 def race_writer(name: str, rank: int, world: int, rows: int, stride: int, go: Any,
                 out: Any) -> None:
     """Wait for the start signal, open the region, fill this rank's slot with rank+1."""
-    from kvasync._region import SharedHostRegion
+    from kvasync import SharedHostRegion
 
     go.wait()
     try:
-        region = SharedHostRegion(name, rows, stride, rank, world, unlink_owner=False)
+        region = SharedHostRegion(name, rows, stride, rank, world, keep_file=True)
         view = region.create_next_worker_view(stride // world)
         view[:] = rank + 1
         out.put((rank, region.is_creator, None))
@@ -40,7 +40,7 @@ def race_writer(name: str, rank: int, world: int, rows: int, stride: int, go: An
 
 def barrier_peer(name: str, rank: int, rows: int, stride: int, barrier: Any, out: Any) -> None:
     """Two ranks with a real barrier: rank 0 writes, rank 1 reads it through its mapping."""
-    from kvasync._region import SharedHostRegion
+    from kvasync import SharedHostRegion
 
     region = SharedHostRegion(name, rows, stride, rank, 2, barrier=barrier.wait)
     raw = region.raw_view()
@@ -49,7 +49,7 @@ def barrier_peer(name: str, rank: int, rows: int, stride: int, barrier: Any, out
     barrier.wait()  # rank 0's bytes are in place, and its constructor has unlinked the path
     exists_after = os.path.exists(region.path)
     seen = int(raw[rows - 1, stride - 1]) if rank == 1 else 0x5C
-    ident = region._ident
+    ident = region._file.ident
     del raw
     out.put((rank, region.is_creator, exists_after, ident, seen, region.populated_with))
     barrier.wait()
@@ -58,7 +58,7 @@ def barrier_peer(name: str, rank: int, rows: int, stride: int, barrier: Any, out
 
 def sleeper(name: str, rank: int, rows: int, stride: int, barrier: Any, out: Any) -> None:
     """Open the region, report ready, then sleep until killed."""
-    from kvasync._region import SharedHostRegion
+    from kvasync import SharedHostRegion
 
     region = SharedHostRegion(name, rows, stride, rank, 2, barrier=barrier.wait)
     region.raw_view()[:] = rank + 1
@@ -71,14 +71,15 @@ def failing_peer(name: str, rank: int, rows: int, stride: int, barrier: Any,
                  out: Any) -> None:
     """Rank 0 creates, then fails its free-space check; rank 1, joined to the stub, must
     get a clear error instead of waiting out its timeout."""
-    import kvasync._region as reg
+    import kvasync._region_file as regfile
+    from kvasync import SharedHostRegion
 
     if rank == 0:
         def no_space(directory: str) -> int:
             time.sleep(0.5)  # hold the 0-byte stub long enough for rank 1 to join it
             return 0
 
-        reg._free_bytes = no_space
+        regfile._free_bytes = no_space
     else:
         path = f"/dev/shm/kvasync-{name}.shm"
         deadline = time.monotonic() + 10
@@ -91,10 +92,63 @@ def failing_peer(name: str, rank: int, rows: int, stride: int, barrier: Any,
         barrier.wait()
 
     try:
-        reg.SharedHostRegion(name, rows, stride, rank, 2, barrier=counted, timeout=5.0)
+        SharedHostRegion(name, rows, stride, rank, 2, barrier=counted, timeout=5.0)
         out.put((rank, "ok", len(calls)))
     except BaseException as exc:
         out.put((rank, repr(exc), len(calls)))
+
+
+# -- file safety: other jobs' files, dead jobs' files ---------------------------------------------
+
+
+def slow_creator(name: str, rows: int, stride: int, proceed: Any, directory: str,
+                 out: Any) -> None:
+    """Job A: create the file, stall before sizing it until `proceed` is set (a slow
+    creator), then finish and keep the file. Reports ("stalled", inode), then ("done",
+    creator, inode, error)."""
+    import kvasync._region_file as regfile
+    from kvasync import SharedHostRegion
+
+    real = regfile._free_bytes
+
+    def slow(d: str) -> int:
+        out.put(("stalled", os.stat(regfile.path_for(directory, name)).st_ino))
+        proceed.wait(60)
+        return real(d)
+
+    regfile._free_bytes = slow
+    try:
+        region = SharedHostRegion(name, rows, stride, 0, 1, keep_file=True, directory=directory)
+        out.put(("done", region.is_creator, os.stat(region.path).st_ino, None))
+        region.close()
+    except BaseException as exc:
+        out.put(("done", False, 0, repr(exc)))
+
+
+def opener(name: str, rows: int, stride: int, rank: int, world: int, timeout: float,
+           directory: str, out: Any) -> None:
+    """Job B: open the region as `rank` with a (trivial) barrier; report (creator, error)."""
+    from kvasync import SharedHostRegion
+
+    try:
+        region = SharedHostRegion(name, rows, stride, rank, world, barrier=lambda: None,
+                                  timeout=timeout, directory=directory)
+        out.put((region.is_creator, None))
+        region.close()
+    except BaseException as exc:
+        out.put((False, repr(exc)))
+
+
+def holder(name: str, rows: int, stride: int, directory: str, release: Any, out: Any) -> None:
+    """A live job without a barrier: create the region, keep it (and the path) until
+    `release` is set, then close it leaving the file (keep_file). Reports the inode."""
+    from kvasync import SharedHostRegion
+
+    region = SharedHostRegion(name, rows, stride, 0, 1, keep_file=True, directory=directory)
+    region.raw_view()[:] = 0x77
+    out.put(os.stat(region.path).st_ino)
+    release.wait(60)
+    region.close()
 
 
 # -- tensor-parallel round trips on the host backend ---------------------------------------------
@@ -151,8 +205,7 @@ def tp_rank(name: str, kind: str, role: str, tp: int, rank: int, rows: int, stri
     import asyncio
 
     import kvasync as kv
-    from kvasync._mappings import derive_page_mapping, mla_page_mapping
-    from kvasync._region import SharedHostRegion
+    from kvasync import SharedHostRegion, derive_page_mapping, mla_page_mapping
 
     writer = role == "writer"
     region = None
@@ -170,7 +223,7 @@ def tp_rank(name: str, kind: str, role: str, tp: int, rank: int, rows: int, stri
             want = truth
             flat = truth
         region = SharedHostRegion(name, rows, stride, rank, tp, barrier=barrier.wait,
-                                  populate=writer, unlink_owner=writer and rank == 0)
+                                  populate=writer)
         gpu = want.copy() if writer else np.zeros_like(want)
         layout = kv.KVCacheLayout([kv.KVTensor(gpu)], [[kv.KVRef(0, mapping=mapping)]])
         off = kv.Offloader(layout, num_cpu_chunks=rows, blocks_per_chunk=1, backend="host",

@@ -18,7 +18,8 @@ import pytest
 import region_procs as procs
 
 import kvasync as kv
-import kvasync._region as reg
+import kvasync._region_file as regfile
+import kvasync._region_pages as pages
 from kvasync._hostmem import host_memory
 from kvasync._region import (
     RegionOverflowError,
@@ -30,8 +31,6 @@ from kvasync._region import (
 PAGE = mmap.PAGESIZE
 
 Names = Callable[[], str]
-
-
 
 
 def path_of(name: str) -> str:
@@ -114,7 +113,7 @@ def test_canonical_views_are_the_same_bytes_for_every_rank(names: Names) -> None
     with pytest.raises(kv.InvalidTransferError, match="overlap"):
         worker.create_next_canonical_view(8)
     worker.close()
-    unranked = SharedHostRegion(names(), 1, PAGE, None, 2, unlink_owner=True)
+    unranked = SharedHostRegion(names(), 1, PAGE, None, 2)
     with pytest.raises(kv.InvalidTransferError, match="unranked"):
         unranked.create_next_worker_view(8)
     unranked.close()
@@ -171,6 +170,7 @@ def test_threads_construct_concurrently_and_share_writes(names: Names) -> None:
     opened = [r for r in regions if r is not None]
     assert sum(r.is_creator for r in opened) == 1
     assert all(r.total_size == 4 * 8 * PAGE for r in opened)
+    creator = next(r for r in opened if r.is_creator)
     views = [r.create_next_worker_view(PAGE) for r in opened]
     for i, v in enumerate(views):
         v[:] = i + 1
@@ -182,8 +182,11 @@ def test_threads_construct_concurrently_and_share_writes(names: Names) -> None:
         del raw
     del views
     for r in opened:
-        r.close()
-    assert not os.path.exists(path_of(name))  # rank 0 owned the path
+        if r is not creator:
+            r.close()
+    assert os.path.exists(path_of(name))  # a joiner never removes the path
+    creator.close()
+    assert not os.path.exists(path_of(name))  # the creator does
 
 
 def test_four_processes_race_to_create(names: Names) -> None:
@@ -200,7 +203,7 @@ def test_four_processes_race_to_create(names: Names) -> None:
         p.join(timeout=20)
     assert [e for _, _, e in reports] == [None] * 4
     assert sum(creator for _, creator, _ in reports) == 1
-    raw = np.fromfile(path_of(name), dtype=np.uint8)  # no unlink owner: the file stays
+    raw = np.fromfile(path_of(name), dtype=np.uint8)  # keep_file: the file stays
     assert raw.size == 3 * 4 * PAGE
     for row in range(3):
         for w in range(4):
@@ -259,17 +262,17 @@ def test_creator_failure_does_not_wedge_the_joiner(names: Names) -> None:
         p.join(timeout=20)
     (_, err0, calls0), (_, err1, calls1) = reports
     assert "free" in err0 and calls0 == 1
-    assert "creator" in err1 and calls1 == 1  # both reached the barrier exactly once
+    assert "creator failed" in err1 and calls1 == 1  # both reached the barrier exactly once
     assert procs.shm_leftovers(name) == []
 
 
 # -- the file, joining, population -----------------------------------------------------------
 
 
-def test_file_stays_with_its_size_when_nobody_owns_the_path(names: Names) -> None:
+def test_file_stays_with_its_size_when_kept(names: Names) -> None:
     name = names()
-    region = SharedHostRegion(name, 3, 2 * PAGE, 1, 2)  # rank 1: not the default owner
-    assert not region.is_unlink_owner
+    region = SharedHostRegion(name, 3, 2 * PAGE, 1, 2, keep_file=True)
+    assert region.is_creator and region.name == name
     st = os.stat(region.path)
     assert st.st_size == region.total_size == 6 * PAGE
     assert st.st_mode & 0o777 == 0o600
@@ -317,7 +320,7 @@ def test_join_timeout_and_creator_failure_are_clear(names: Names) -> None:
     name = names()
     path = _stub(name)
     threading.Timer(0.05, lambda: os.unlink(path)).start()
-    with pytest.raises(SharedRegionError, match=r"creator of .* failed"):
+    with pytest.raises(SharedRegionError, match="creator failed"):
         SharedHostRegion(name, 4, PAGE, 1, 2, timeout=5)
     assert open_fds() == fds
 
@@ -332,7 +335,7 @@ def test_creator_failure_unlinks_and_closes(
         def free(directory: str) -> int:
             seen.append((directory, 0))
             return PAGE
-        monkeypatch.setattr(reg, "_free_bytes", free)
+        monkeypatch.setattr(regfile, "_free_bytes", free)
         expect: type[BaseException] = SharedRegionError
     else:
         def ftruncate(fd: int, size: int) -> None:
@@ -353,7 +356,7 @@ def test_creator_failure_unlinks_and_closes(
 
 def test_population_spans_ranked_and_unranked(names: Names, monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[tuple[int, int]] = []
-    monkeypatch.setattr(reg, "_madvise", lambda a, n, adv: calls.append((a, n)))
+    monkeypatch.setattr(pages, "_madvise", lambda a, n, adv: calls.append((a, n)))
     region = SharedHostRegion(names(), 3, 2 * PAGE, 1, 2)
     assert [(a - region.base_ptr, n) for a, n in calls] == [
         (PAGE, PAGE), (3 * PAGE, PAGE), (5 * PAGE, PAGE)
@@ -378,16 +381,17 @@ def test_einval_falls_back_to_touching_each_page(
         raise OSError(errno.EINVAL, "Invalid argument")
 
     touched: list[tuple[int, int]] = []
-    real_touch = SharedHostRegion._touch
+    real_touch = pages._touch
 
-    def touch(self: SharedHostRegion, off: int, length: int) -> None:
-        touched.append((off, length))
-        real_touch(self, off, length)
+    def touch(addr: int, length: int) -> None:
+        touched.append((addr, length))
+        real_touch(addr, length)
 
-    monkeypatch.setattr(reg, "_madvise", einval)
-    monkeypatch.setattr(SharedHostRegion, "_touch", touch)
-    region = SharedHostRegion(names(), 3, 2 * PAGE, rank, 2, unlink_owner=True)
+    monkeypatch.setattr(pages, "_madvise", einval)
+    monkeypatch.setattr(pages, "_touch", touch)
+    region = SharedHostRegion(names(), 3, 2 * PAGE, rank, 2)
     assert region.populated_with == "touch"
+    touched = [(a - region.base_ptr, n) for a, n in touched]
     if rank is None:
         assert touched == [(0, 6 * PAGE)]
     else:
@@ -409,9 +413,9 @@ def test_fallback_populates_every_page_and_keeps_peer_bytes(
     first = SharedHostRegion(name, 8, PAGE, 0, 1, populate=False)
     assert first.allocated_bytes == 0
     first.raw_view()[5, 17] = 0xAB  # a peer's byte on a page the joiner will touch
-    monkeypatch.setattr(reg, "_madvise",
+    monkeypatch.setattr(pages, "_madvise",
                         lambda a, n, adv: (_ for _ in ()).throw(OSError(errno.EINVAL, "x")))
-    second = SharedHostRegion(name, 8, PAGE, None, 1, unlink_owner=False)
+    second = SharedHostRegion(name, 8, PAGE, None, 1)
     assert second.populated_with == "touch"
     assert _resident_pages(second.base_ptr, second.total_size) == 8
     assert second.allocated_bytes == 8 * PAGE
@@ -421,7 +425,7 @@ def test_fallback_populates_every_page_and_keeps_peer_bytes(
 
 
 def test_real_madvise_populates(names: Names) -> None:
-    region = SharedHostRegion(names(), 8, PAGE, None, 1, unlink_owner=True)
+    region = SharedHostRegion(names(), 8, PAGE, None, 1)
     assert region.populated_with in ("madvise", "touch")  # touch only on kernels < 5.14
     assert region.allocated_bytes == 8 * PAGE
     region.close()
@@ -433,7 +437,7 @@ def test_other_madvise_errors_propagate_and_clean_up(
     def eio(addr: int, length: int, advice: int) -> None:
         raise OSError(errno.EIO, "I/O error")
 
-    monkeypatch.setattr(reg, "_madvise", eio)
+    monkeypatch.setattr(pages, "_madvise", eio)
     name = names()
     fds = open_fds()
     with pytest.raises(OSError) as info:
@@ -471,26 +475,17 @@ def test_barrier_failure_removes_the_file_and_reraises(names: Names) -> None:
     assert not os.path.exists(path_of(name))
 
 
-def test_stale_ready_file_is_unlinked_by_an_owner_joiner(names: Names) -> None:
-    name = names()
-    _stub(name, 2 * PAGE)  # left by a crashed run without a barrier
-    region = SharedHostRegion(name, 2, PAGE, 0, 1, barrier=lambda: None)
-    assert not region.is_creator and region.is_unlink_owner
-    assert not os.path.exists(path_of(name))
-    region.close()
-
-
 @pytest.mark.parametrize("where", ["space", "populate", "mmap"])
 def test_setup_failure_reaches_the_barrier_once_with_the_file_gone(
     names: Names, monkeypatch: pytest.MonkeyPatch, where: str
 ) -> None:
     name = names()
     if where == "space":
-        monkeypatch.setattr(reg, "_free_bytes", lambda d: 0)
+        monkeypatch.setattr(regfile, "_free_bytes", lambda d: 0)
     elif where == "populate":
         def eio(addr: int, length: int, advice: int) -> None:
             raise OSError(errno.EIO, "I/O error")
-        monkeypatch.setattr(reg, "_madvise", eio)
+        monkeypatch.setattr(pages, "_madvise", eio)
     else:
         def no_map(*a: object, **k: object) -> mmap.mmap:
             raise OSError(errno.ENOMEM, "cannot map")
@@ -507,14 +502,14 @@ def test_setup_failure_reaches_the_barrier_once_with_the_file_gone(
     assert seen == [False]
 
 
-def test_ownership_is_independent_of_rank(names: Names) -> None:
+def test_only_the_creator_removes_the_path_whatever_the_ranks(names: Names) -> None:
     name = names()
-    creator = SharedHostRegion(name, 1, PAGE, 0, 2, unlink_owner=False)
-    joiner = SharedHostRegion(name, 1, PAGE, 1, 2, unlink_owner=True)  # a joiner may own it
+    creator = SharedHostRegion(name, 1, PAGE, 1, 2)
+    joiner = SharedHostRegion(name, 1, PAGE, 0, 2)  # rank 0, but not the creator
     assert creator.is_creator and not joiner.is_creator
-    creator.close()
-    assert os.path.exists(path_of(name))  # the non-owner leaves the file
     joiner.close()
+    assert os.path.exists(path_of(name))
+    creator.close()
     assert not os.path.exists(path_of(name))
 
 
@@ -538,10 +533,10 @@ def test_close_is_idempotent_and_unlinks_once(
     region.close()
     assert unlinks == [path_of(name)]
     assert region.closed and region._mm is None
-    assert open_fds() <= fds - 1 and region._fd == -1  # our fd (and mmap's duplicate)
+    assert open_fds() <= fds - 1 and region._file is not None and region._file.fd == -1
     # a newer region at the same path is never removed by an old one
     newer = SharedHostRegion(name, 2, PAGE, 1, 2)
-    region._unlinked = False
+    region._file._unlinked = False
     region._unlink()
     assert os.path.exists(path_of(name))
     newer.close()
@@ -580,7 +575,13 @@ def test_properties(names: Names) -> None:
         (dict(rank=2), "rank"),
         (dict(world_size=0), "world_size"),
         (dict(name="../etc"), "name"),
+        (dict(name="engine-42"), "per-job token"),
+        (dict(name="x-" + "A" * 32), "per-job token"),
+        (dict(name=None), "per-job token"),
         (dict(timeout=0), "timeout"),
+        (dict(populate="all"), "populate"),
+        (dict(populate=1), "populate"),
+        (dict(directory=""), "directory"),
     ],
 )
 def test_bad_arguments(names: Names, kwargs: dict[str, object], match: str) -> None:

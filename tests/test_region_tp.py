@@ -21,15 +21,13 @@ import pytest
 import region_procs as procs
 
 import kvasync as kv
-from kvasync._mappings import derive_page_mapping, head_shard, mla_page_mapping
-from kvasync._region import SharedHostRegion
+from kvasync import SharedHostRegion, derive_page_mapping, mla_page_mapping
+from kvasync._mappings import head_shard
 
 PAGE = mmap.PAGESIZE
 ROOT = Path(__file__).resolve().parents[1]
 
 Names = Callable[[], str]
-
-
 
 
 def run_ranks(name: str, kind: str, writers: int, readers: int,
@@ -124,8 +122,8 @@ async def test_every_topology_pair_in_one_process(
             name = names()
             wr = [SharedHostRegion(name, blocks, PAGE, r, writers, populate=False)
                   for r in range(writers)]
-            rd = [SharedHostRegion(name, blocks, PAGE, r, readers, populate=False,
-                                   unlink_owner=False) for r in range(readers)]
+            rd = [SharedHostRegion(name, blocks, PAGE, r, readers, populate=False)
+                  for r in range(readers)]
             woffs = [_canonical_rank(wr[r], shard(writers, r), mapping(writers, r))
                      for r in range(writers)]
             for off in woffs:
