@@ -22,7 +22,7 @@ def _table(title: str, heads: Iterable[str], lines: list[list[str]]) -> list[str
     heads = list(heads)
     widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(heads)]
     out = [title] if title else []
-    out += ["  ".join(h.ljust(w) for h, w in zip(heads, widths)),
+    out += ["  ".join(h.ljust(w) for h, w in zip(heads, widths)).rstrip(),
             "  ".join("-" * w for w in widths)]
     out += ["  ".join(x.ljust(w) for x, w in zip(line, widths)).rstrip() for line in lines]
     return out
