@@ -51,8 +51,10 @@ class Progress:
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m kvasync.bench",
-                                 description=(__doc__ or "").split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m kvasync.bench",
+        description="What kvasync's copy paths achieve on this machine, one table per section "
+                    "and a summary against the targets.")
     ap.add_argument("--out", metavar="DIR", help="write bench.json, bench.txt and the plots here")
     ap.add_argument("--sections", default=",".join(SECTIONS),
                     help="comma separated (default: all): " + ", ".join(SECTIONS))

@@ -22,7 +22,7 @@ def _table(title: str, heads: Iterable[str], lines: list[list[str]]) -> list[str
     heads = list(heads)
     widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(heads)]
     out = [title] if title else []
-    out += ["  ".join(h.ljust(w) for h, w in zip(heads, widths)),
+    out += ["  ".join(h.ljust(w) for h, w in zip(heads, widths)).rstrip(),
             "  ".join("-" * w for w in widths)]
     out += ["  ".join(x.ljust(w) for x, w in zip(line, widths)).rstrip() for line in lines]
     return out
@@ -89,10 +89,11 @@ def _latency(rows: list[Row]) -> list[str]:
 
 
 def _cpu(rows: list[Row]) -> list[str]:
-    lines = [[str(r.extra.get("completion")), f"{r.value('cpu_frac'):.1%}",
-              f"{r.value('seconds') * 1e3:.1f}", _num(r.gbps)] for r in rows]
+    lines = [[r.path, str(r.extra.get("completion")), f"{r.value('cpu_frac'):.1%}",
+              f"{r.value('seconds') * 1e3:.1f}", _num(r.gbps), str(r.extra.get("ran", "?"))]
+             for r in rows]
     return _table("CPU share of the process while awaiting one big load:",
-                  ["completion", "CPU", "wall ms", "GB/s"], lines)
+                  ["path", "completion", "CPU", "wall ms", "GB/s", "ran"], lines)
 
 
 def _hostcost(rows: list[Row]) -> list[str]:
@@ -263,7 +264,7 @@ def summary(run: Run) -> list[list[str]]:
         add(f"4 KiB await round trip p50 <= {c.LATENCY_P50_US:g} us, p99 <= "
             f"{c.LATENCY_P99_US:g} us", f"{r.value('p50_us'):.1f} / {r.value('p99_us'):.1f} us",
             r.value("p50_us") <= c.LATENCY_P50_US and r.value("p99_us") <= c.LATENCY_P99_US)
-    for r in (r for r in rows if r.section == "cpu"):
+    for r in (r for r in rows if r.section == "cpu" and r.path == "auto"):
         add(f"CPU <= {c.CPU_MAX:.0%} of a core awaiting a ~20 ms load, "
             f"{r.extra.get('completion')}", f"{r.value('cpu_frac'):.1%}",
             r.value("cpu_frac") <= c.CPU_MAX)

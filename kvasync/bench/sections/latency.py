@@ -8,8 +8,9 @@ asyncio.
 
 cpu: the process's CPU time over wall time (all threads) while awaiting one load of about
 1 GiB in 2 MiB pages (~20 ms on a PCIe Gen5 link), median of 5 after 10 warm-ups (which let
-the completion predictor learn the link's rate). GPU only: on the host backend the copy itself
-runs on the CPU, so the share would measure the copy.
+the completion predictor learn the link's rate); per path, and ``auto`` with the thread.
+GPU only: on the host backend the copy itself runs on the CPU, so the share would measure
+the copy.
 """
 
 from __future__ import annotations
@@ -85,14 +86,14 @@ def run_latency(ctx: Context) -> list[Row]:
     return rows
 
 
-async def _cpu_share(off: kv.Offloader, gpu: Any, cpu: Any, reps: int,
+async def _cpu_share(off: kv.Offloader, gpu: Any, cpu: Any, path: str, reps: int,
                      warm: int) -> tuple[float, float]:
     """Median (CPU seconds / wall seconds, wall seconds) of `await off.load(...)`."""
     fracs: list[float] = []
     walls: list[float] = []
     for i in range(reps + warm):
         p0, w0 = time.process_time(), time.perf_counter()
-        await off.load(cpu_chunks=cpu, gpu_blocks=gpu)
+        await off.load(cpu_chunks=cpu, gpu_blocks=gpu, path=path)
         wall = time.perf_counter() - w0
         if i >= warm:
             fracs.append((time.process_time() - p0) / wall)
@@ -109,18 +110,22 @@ def run_cpu(ctx: Context) -> list[Row]:
     gpu, cpu = ctx.rng.permutation(n), ctx.rng.permutation(n)
     ceil = ctx.ceiling("h2d")
     for completion in ("hybrid", "thread"):
-        ctx.progress(f"CPU while awaiting {fmt_size(n * CPU_PAGE)}, completion {completion}")
         off = ctx.make_offloader(views, int(views[0].shape[0]), completion=completion)
-        frac, wall = asyncio.run(_cpu_share(off, gpu, cpu, 3 if ctx.quick else 5, 10))
+        for path in ctx.paths if completion == "hybrid" else ("auto",):
+            ctx.progress(f"CPU while awaiting {fmt_size(n * CPU_PAGE)}, path {path}, "
+                         f"completion {completion}")
+            with ctx.ran_paths(off) as ran:
+                frac, wall = asyncio.run(_cpu_share(off, gpu, cpu, path,
+                                                    3 if ctx.quick else 5, 10))
+            gbps = n * CPU_PAGE / wall / 1e9
+            rows.append(Row("cpu", path, "h2d", CPU_PAGE, ratio=round(gbps / ceil, 3),
+                            gbps=round(gbps, 2), ceiling_gbps=round(ceil, 2),
+                            values={"cpu_frac": round(frac, 4), "seconds": round(wall, 6),
+                                    "bytes": float(n * CPU_PAGE)},
+                            note=f"await off.load() of {fmt_size(n * CPU_PAGE)}, "
+                                 f"completion={completion}, ran {ran.text}",
+                            extra={"completion": completion, "ran": ran.text}))
         off.close()
-        gbps = n * CPU_PAGE / wall / 1e9
-        rows.append(Row("cpu", "auto", "h2d", CPU_PAGE, ratio=round(gbps / ceil, 3),
-                        gbps=round(gbps, 2), ceiling_gbps=round(ceil, 2),
-                        values={"cpu_frac": round(frac, 4), "seconds": round(wall, 6),
-                                "bytes": float(n * CPU_PAGE)},
-                        note=f"await off.load() of {fmt_size(n * CPU_PAGE)}, "
-                             f"completion={completion}",
-                        extra={"completion": completion}))
     return rows
 
 
