@@ -387,7 +387,8 @@ class Offloader:
             stream if stream is not None else self._compute_override
         )
         concrete = self.backend.resolve_path(chosen, direction, plan, self.host_pinned,
-                                             urgent=urgent, other_busy=self._both_ways(direction))
+                                             urgent=urgent, other_busy=self._both_ways(direction),
+                                             layered=signal is not None)
         if self._closed:
             raise OffloaderClosedError("the offloader is closed")
         # only the job id is drawn under the offloader-wide lock; ordering within a lane is

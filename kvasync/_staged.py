@@ -197,6 +197,58 @@ def _coalesce_runs(so: np.ndarray, hp: np.ndarray, sz: np.ndarray
     return so, hp, sz
 
 
+#: requests of at most this many blocks (one ref set, one block per chunk) are staged in
+#: plain Python: NumPy's per-call overhead was most of a small store()'s host cost
+_SMALL = 256
+
+
+def _build_small(plan: TransferPlan, seg: Segment, rows: RowSide, rps: int, gpu_to_cpu: bool
+                 ) -> StagedProgram | None:
+    """`build_staged` for one segment of one-block chunks, in Python ints (same result)."""
+    table = plan.table
+    pst, psz = _pattern(table, rows, seg.refs, 1, gpu_to_cpu)
+    if len(pst) != 1:
+        return None
+    start, size = int(pst[0]), int(psz[0])
+    slots = seg.dst_slots if gpu_to_cpu else seg.src_slots
+    n = len(slots)
+    lo, hi = int(slots.min()), int(slots.max())
+    if hi - lo == n - 1 and size == rows.span == rows.row_stride and (
+            n == 1 or len(np.unique(slots)) == n):
+        # consecutive chunks, whole rows: one run, staging row = chunk - first chunk
+        staged_c = (slots - U64(lo)).astype(U64)
+        kseg = (Segment(seg.refs, seg.src_slots, staged_c) if gpu_to_cpu
+                else Segment(seg.refs, staged_c, seg.dst_slots))
+        one = Slab((kseg,), np.zeros(1, dtype=U64),
+                   np.array([rows.base + lo * rows.row_stride], dtype=U64),
+                   np.array([n * size], dtype=U64),
+                   n * int(table.bytes_per_block[seg.refs].sum()),
+                   n * int(table.frag_count[seg.refs].sum()))
+        return StagedProgram((one,), rows, rps, gpu_to_cpu)
+    host = slots.tolist()
+    uniq = sorted(set(host))
+    rank = {c: r for r, c in enumerate(uniq)}
+    staged = np.array([rank[c] for c in host], dtype=U64)
+    so: list[int] = []
+    hp: list[int] = []
+    sz: list[int] = []
+    base, stride, span = rows.base + start, rows.row_stride, rows.span
+    for r, c in enumerate(uniq):
+        a, b = r * span + start, base + c * stride
+        if sz and so[-1] + sz[-1] == a and hp[-1] + sz[-1] == b:
+            sz[-1] += size
+        else:
+            so.append(a)
+            hp.append(b)
+            sz.append(size)
+    kseg = (Segment(seg.refs, seg.src_slots, staged) if gpu_to_cpu
+            else Segment(seg.refs, staged, seg.dst_slots))
+    slab = Slab((kseg,), np.array(so, dtype=U64), np.array(hp, dtype=U64),
+                np.array(sz, dtype=U64), n * int(table.bytes_per_block[seg.refs].sum()),
+                n * int(table.frag_count[seg.refs].sum()))
+    return StagedProgram((slab,), rows, rps, gpu_to_cpu)
+
+
 def build_staged(plan: TransferPlan, gpu_to_cpu: bool, slab_bytes: int) -> StagedProgram | None:
     """The staged program of `plan` with staging buffers of `slab_bytes`, or None where the
     plan cannot be staged (host memory not in rows, a row larger than a buffer, more than
@@ -213,6 +265,10 @@ def build_staged(plan: TransferPlan, gpu_to_cpu: bool, slab_bytes: int) -> Stage
     segs = [s for s in plan.segments if len(s.src_slots)]
     if not segs:
         return StagedProgram((), rows, rps, gpu_to_cpu)
+    if len(segs) == 1 and rows.factor == 1 and len(segs[0].src_slots) <= min(_SMALL, rps):
+        small = _build_small(plan, segs[0], rows, rps, gpu_to_cpu)
+        if small is not None:
+            return small
     bpc = rows.factor
     host = [s.dst_slots if gpu_to_cpu else s.src_slots for s in segs]
     allh = np.concatenate(host) if len(host) > 1 else host[0]
@@ -265,38 +321,59 @@ def build_staged(plan: TransferPlan, gpu_to_cpu: bool, slab_bytes: int) -> Stage
 
     # host runs: one coverage mask per (chunk rank, ref set)
     nparts = len(part_refs)
-    keys = np.concatenate([rank[a : a + len(h)] * nparts + p for a, h, p in
-                           zip(np.cumsum([0] + [len(h) for h in host[:-1]]).tolist(), host,
-                               seg_part)]) if nparts > 1 else rank * 1
-    bits = (np.left_shift(U64(1), sub.astype(U64)) if sub is not None
-            else np.ones(len(rank), dtype=U64))
-    order = np.argsort(keys, kind="stable")
-    ks = keys[order]
-    starts = np.flatnonzero(np.concatenate(([True], ks[1:] != ks[:-1])))
-    masks = np.bitwise_or.reduceat(bits[order], starts)
-    ukeys = ks[starts]
-    urank = ukeys // nparts
-    upart = ukeys % nparts
     so_l: list[np.ndarray] = []
     hp_l: list[np.ndarray] = []
     sz_l: list[np.ndarray] = []
     sl_l: list[np.ndarray] = []
-    row_base = (uniq[urank].astype(U64) * U64(rows.row_stride) + U64(rows.base))
-    stage_row = ((urank % rps) * rows.span).astype(U64)
-    combos = np.stack([upart.astype(U64), masks]) if len(ukeys) else np.zeros((2, 0), U64)
-    uc, cinv = np.unique(combos, axis=1, return_inverse=True)
-    cinv = cinv.reshape(-1)
-    for c in range(uc.shape[1]):
-        sel = np.flatnonzero(cinv == c) if uc.shape[1] > 1 else np.arange(len(ukeys))
-        pst, psz = _pattern(table, rows, part_refs[int(uc[0, c])], int(uc[1, c]), gpu_to_cpu)
-        so_l.append((stage_row[sel][:, None] + pst[None, :]).ravel())
-        hp_l.append((row_base[sel][:, None] + pst[None, :]).ravel())
-        sz_l.append(np.tile(psz, len(sel)))
-        sl_l.append(np.repeat(urank[sel] // rps, len(psz)))
-    so = np.concatenate(so_l)
-    hp = np.concatenate(hp_l)
-    sz = np.concatenate(sz_l).astype(U64)
-    slab_ix = np.concatenate(sl_l)
+    if nparts == 1 and sub is None:
+        # the common request (one ref set, one block per chunk): every touched chunk is
+        # covered by the same pattern, no masks to reduce
+        urank = np.arange(len(uniq), dtype=np.int64)
+        row_base = uniq.astype(U64) * U64(rows.row_stride) + U64(rows.base)
+        stage_row = ((urank % rps) * rows.span).astype(U64)
+        pst, psz = _pattern(table, rows, part_refs[0], 1, gpu_to_cpu)
+        if len(pst) == 1:
+            so_l.append(stage_row + pst[0])
+            hp_l.append(row_base + pst[0])
+            sz_l.append(np.full(len(uniq), psz[0], dtype=U64))
+            sl_l.append(urank // rps)
+        else:
+            so_l.append((stage_row[:, None] + pst[None, :]).ravel())
+            hp_l.append((row_base[:, None] + pst[None, :]).ravel())
+            sz_l.append(np.tile(psz, len(uniq)))
+            sl_l.append(np.repeat(urank // rps, len(psz)))
+    else:
+        offs = np.cumsum([0] + [len(h) for h in host[:-1]]).tolist()
+        keys = (np.concatenate([rank[a : a + len(h)] * nparts + p
+                                for a, h, p in zip(offs, host, seg_part)])
+                if nparts > 1 else rank)
+        bits = (np.left_shift(U64(1), sub.astype(U64)) if sub is not None
+                else np.ones(len(rank), dtype=U64))
+        order = np.argsort(keys, kind="stable")
+        ks = keys[order]
+        starts = np.flatnonzero(np.concatenate(([True], ks[1:] != ks[:-1])))
+        masks = np.bitwise_or.reduceat(bits[order], starts)
+        ukeys = ks[starts]
+        urank = ukeys // nparts
+        upart = ukeys % nparts
+        row_base = uniq[urank].astype(U64) * U64(rows.row_stride) + U64(rows.base)
+        stage_row = ((urank % rps) * rows.span).astype(U64)
+        combos = np.stack([upart.astype(U64), masks])
+        uc, cinv = np.unique(combos, axis=1, return_inverse=True)
+        cinv = cinv.reshape(-1)
+        for c in range(uc.shape[1]):
+            sel = np.flatnonzero(cinv == c) if uc.shape[1] > 1 else np.arange(len(ukeys))
+            pst, psz = _pattern(table, rows, part_refs[int(uc[0, c])], int(uc[1, c]),
+                                gpu_to_cpu)
+            so_l.append((stage_row[sel][:, None] + pst[None, :]).ravel())
+            hp_l.append((row_base[sel][:, None] + pst[None, :]).ravel())
+            sz_l.append(np.tile(psz, len(sel)))
+            sl_l.append(np.repeat(urank[sel] // rps, len(psz)))
+    if len(so_l) == 1:
+        so, hp, sz, slab_ix = so_l[0], hp_l[0], sz_l[0].astype(U64, copy=False), sl_l[0]
+    else:
+        so, hp = np.concatenate(so_l), np.concatenate(hp_l)
+        sz, slab_ix = np.concatenate(sz_l).astype(U64), np.concatenate(sl_l)
     slabs: list[Slab] = []
     for k in range(nslabs):
         pick: Any = np.flatnonzero(slab_ix == k) if nslabs > 1 else slice(None)

@@ -142,3 +142,42 @@ def test_full_consecutive_chunks_are_one_run() -> None:
     # part of row 4 ends where row 5 (tensor 0, sub-block 0) starts: one run
     assert runs == [(base4 + 32, 32), (base4 + 96, 32), (base4 + 160, 64), (base5 + 64, 32),
                     (base5 + 128, 32)]
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(1, 5), st.integers(1, 24), st.booleans(), st.data())
+def test_small_request_fast_path_matches_the_general_path(
+    n_t: int, page: int, store: bool, data: st.DataObject
+) -> None:
+    """One group, one block per chunk, few ids: the plain-Python staging (including the
+    one-run path for consecutive whole rows) gives the general path's bytes."""
+    import kvasync._staged as staged_mod
+
+    tensors = [KVTensor(np.zeros((16, page), np.uint8)) for _ in range(n_t)]
+    layout = KVCacheLayout(tensors)
+    gap = data.draw(st.integers(0, 2))
+    row = n_t * page + gap
+    gpu = SideGeometry([BIG * (t + 1) for t in range(n_t)], [page] * n_t, [0] * n_t,
+                       [16] * n_t, 1)
+    host = SideGeometry([BIG * 10 + t * page for t in range(n_t)], [row] * n_t,
+                        [page] * n_t, [16] * n_t, 1)
+    table = build_ref_table(layout, gpu, host, store, False)
+    k = data.draw(st.integers(1, 8))
+    if data.draw(st.booleans()):
+        first = data.draw(st.integers(0, 16 - k))
+        chunks = list(range(first, first + k))
+    else:
+        chunks = data.draw(st.lists(st.integers(0, 15), min_size=k, max_size=k,
+                                    unique=store))
+    blocks = data.draw(st.lists(st.integers(0, 15), min_size=k, max_size=k, unique=not store))
+    plan = build_plan(table, blocks, chunks, None, None, store, 16)
+    slab = data.draw(st.integers(1, 20)) * row
+    fast = build_staged(plan, store, slab)
+    saved = staged_mod._SMALL
+    staged_mod._SMALL = 0
+    try:
+        slow = build_staged(plan, store, slab)
+    finally:
+        staged_mod._SMALL = saved
+    assert fast is not None and slow is not None
+    assert _compose(table, fast, store) == _compose(table, slow, store)

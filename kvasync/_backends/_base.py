@@ -140,7 +140,7 @@ class Backend(ABC):
 
     def resolve_path(
         self, path: str, direction: Direction, plan: TransferPlan, host_pinned: bool,
-        urgent: bool = False, other_busy: bool = False,
+        urgent: bool = False, other_busy: bool = False, layered: bool = False,
     ) -> str:
         """Map the caller's path choice (maybe "auto") to a concrete path for this plan.
 
@@ -148,6 +148,8 @@ class Backend(ABC):
         never pick a path that dereferences host memory from the device. `urgent`: the plan
         goes to an urgent lane, so "auto" should pick the path that passes queued work.
         `other_busy`: the other direction has transfers in flight (both share the link).
+        `layered`: the plan is one layer of a layer-wise load (many small transfers, each
+        signalling its layer: per-transfer host cost matters more than bandwidth).
         """
         return self.paths[0] if path == "auto" else path
 

@@ -437,8 +437,10 @@ class CudaBackend(Backend):
     #: device staging bytes per direction of the "staged" path (two buffers of half each)
     STAGING_BYTES = 64 << 20
     #: "auto" sends transfers of at least this many bytes to "staged" (when the plan can be
-    #: staged and the lane is not urgent); 0 turns staged off under "auto"
-    STAGED_MIN_BYTES = 256 << 10
+    #: staged, the lane is not urgent and the plan is not one layer of a layer-wise load);
+    #: 0 turns staged off under "auto". Below it, a transfer's fixed host cost (program,
+    #: job upload, events: ~50-100 us) outweighs what the copy engines save on the link
+    STAGED_MIN_BYTES = 2 << 20
     poll_from_await = True
     reads_plan_later = False  # descriptors and slot ids are packed during enqueue_copy
 
@@ -659,7 +661,7 @@ class CudaBackend(Backend):
 
     def resolve_path(
         self, path: str, direction: Direction, plan: TransferPlan, host_pinned: bool,
-        urgent: bool = False, other_busy: bool = False,
+        urgent: bool = False, other_busy: bool = False, layered: bool = False,
     ) -> str:
         if path not in self.paths:
             raise InvalidTransferError(f"unknown copy path {path!r}; choose one of {self.paths}")
@@ -690,7 +692,7 @@ class CudaBackend(Backend):
             return "kernel"
         if plan.num_descriptors == 0:
             return "dma"
-        if self.STAGED_MIN_BYTES and plan.nbytes >= self.STAGED_MIN_BYTES:
+        if self.STAGED_MIN_BYTES and plan.nbytes >= self.STAGED_MIN_BYTES and not layered:
             program = build_staged(plan, direction == "d2h", self._ring(direction).slab_bytes)
             if program is not None:
                 plan.staged = program

@@ -249,7 +249,7 @@ class HostBackend(Backend):
 
     def resolve_path(
         self, path: str, direction: Direction, plan: TransferPlan, host_pinned: bool,
-        urgent: bool = False, other_busy: bool = False,
+        urgent: bool = False, other_busy: bool = False, layered: bool = False,
     ) -> str:
         if path == "staged":
             prepare_staged(plan, direction, self._ring(direction).slab_bytes)

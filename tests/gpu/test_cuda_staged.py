@@ -102,6 +102,11 @@ async def test_auto_stages_big_transfers_and_keeps_the_kernel_for_urgent_ones() 
     assert be.counts["kernel"] - before["kernel"] == 1
     ref = _np(gpu[3])
     np.testing.assert_array_equal(ref[100], ref[0])
+    # the layers of a layer-wise load are not staged under auto (per-transfer host cost)
+    staged = be.counts["staged"]
+    await off.load_layerwise(cpu_chunks=list(range(64)), gpu_blocks=list(range(128, 192)),
+                             layers=[[i] for i in range(n_t)])
+    assert be.counts["staged"] == staged
     await off.aclose()
 
 
