@@ -99,7 +99,7 @@ async def _offloader_round_trips(off: Any, g: np.ndarray, c: np.ndarray, reps: i
     pc = time.perf_counter
     for i in range(reps + warm):
         t0 = pc()
-        t = off.load(c[i], g[i], path=path, stream=stream)
+        t = off.load(cpu_chunks=c[i], gpu_blocks=g[i], path=path, stream=stream)
         t1 = pc()
         r = await (_await_woken(off, t) if woken else t)
         t2 = pc()
@@ -117,7 +117,7 @@ def _sync_round_trips(off: Any, g: np.ndarray, c: np.ndarray, reps: int, warm: i
     pc = time.perf_counter
     for i in range(reps + warm):
         t0 = pc()
-        t = off.load(c[i], g[i])
+        t = off.load(cpu_chunks=c[i], gpu_blocks=g[i])
         if spin:
             q = t._queue
             while not t.done():
@@ -294,7 +294,8 @@ def section_latency(ctx: Context) -> list[Row]:
                     extra={"diagnostic": True}))
             ctx.progress("cProfile of load() 4 KiB")
             prof = _profile(ctx, "load() of one 4 KiB block, 1 tensor",
-                            lambda i, off=off, c=c, g=g: off.load(c[i], g[i]), reps)  # type: ignore[misc]
+                            lambda i, off=off, c=c, g=g:  # type: ignore[misc]
+                            off.load(cpu_chunks=c[i], gpu_blocks=g[i]), reps)
             rows.append(ctx.row("latency-profile", "load-4KiB", "h2d", page, reps=reps,
                                 note="cProfile tottime per call (us), top 12",
                                 extra={"profile_top": prof}))
@@ -332,8 +333,9 @@ def _latency_cpu(ctx: Context) -> list[Row]:
         async def run(off: Any = off, woken: bool = woken) -> tuple[float, float]:
             # 10 warm-ups: the hybrid predictor learns the link's bandwidth from them
             if woken:
-                return await _cpu_share(lambda: _await_woken(off, off.load(c, g)), 5, 10)
-            return await _cpu_share(lambda: off.load(c, g), 5, 10)
+                return await _cpu_share(
+                    lambda: _await_woken(off, off.load(cpu_chunks=c, gpu_blocks=g)), 5, 10)
+            return await _cpu_share(lambda: off.load(cpu_chunks=c, gpu_blocks=g), 5, 10)
 
         frac, wall = asyncio.run(run())
         rows.append(ctx.row("latency-cpu", name, "h2d", page,
@@ -379,7 +381,7 @@ def section_hostcost(ctx: Context) -> list[Row]:
         for i in range(reps + warm):
             g, c = ids[i % len(ids)]
             t0 = time.perf_counter()
-            t = off.store(g, c, path=path)
+            t = off.store(gpu_blocks=g, cpu_chunks=c, path=path)
             t1 = time.perf_counter()
             t.wait(60)
             t2 = time.perf_counter()
@@ -396,7 +398,8 @@ def section_hostcost(ctx: Context) -> list[Row]:
                 ctx.progress("cProfile of store() 64 blocks")
                 extra["profile_top"] = _profile(
                     ctx, f"store() of 64 blocks x {2 * layers} tensors, path auto",
-                    lambda i, ids=ids: off.store(*ids[i % len(ids)]), 300)  # type: ignore[misc]
+                    lambda i, ids=ids: off.store(gpu_blocks=ids[i % len(ids)][0],  # type: ignore[misc]
+                                                 cpu_chunks=ids[i % len(ids)][1]), 300)
         rows.append(ctx.row("hostcost", path, "d2h", page, p50_us=p50, p99_us=p99, blocks=n,
                             reps=reps, bytes=nbytes, seconds=statistics.median(walls),
                             gbps=round(nbytes / statistics.median(walls) / 1e9, 2),
@@ -433,9 +436,9 @@ async def _task_rate(off: Any, direction: str, path: str, tasks: int, seconds: f
         while time.perf_counter() < deadline:
             g = mine[i % len(mine)]
             if direction == "h2d":
-                await off.load(g, g, path=path)
+                await off.load(cpu_chunks=g, gpu_blocks=g, path=path)
             else:
-                await off.store(g, g, path=path)
+                await off.store(gpu_blocks=g, cpu_chunks=g, path=path)
             count += 1
             i += 1
 
@@ -448,7 +451,7 @@ async def _inflight(off: Any, n: int, g: np.ndarray, c: np.ndarray) -> dict[str,
     """Submit `n` loads without awaiting, then await them all; check order and count."""
     order: list[int] = []
     t0 = time.perf_counter()
-    trs = [off.load(c[i], g[i]) for i in range(n)]
+    trs = [off.load(cpu_chunks=c[i], gpu_blocks=g[i]) for i in range(n)]
     t1 = time.perf_counter()
     for t in trs:
         t.add_done_callback(lambda tr: order.append(tr.job_id))
@@ -555,17 +558,17 @@ def section_overlap(ctx: Context) -> list[Row]:
                 for rep in range(reps + 1):
                     t0 = time.perf_counter()
                     if threads == 1:
-                        ts = off.store(gs, cs, path=sp)
-                        tl = off.load(cl, gl, path=lp)
+                        ts = off.store(gpu_blocks=gs, cpu_chunks=cs, path=sp)
+                        tl = off.load(cpu_chunks=cl, gpu_blocks=gl, path=lp)
                     else:  # the store submitted from a second thread at the same time
                         box: list[Any] = []
                         def store(off: Any = off, g: Any = gs, c: Any = cs, sp: str = sp,
                                   box: list[Any] = box) -> None:
-                            box.append(off.store(g, c, path=sp))
+                            box.append(off.store(gpu_blocks=g, cpu_chunks=c, path=sp))
 
                         th = threading.Thread(target=store)
                         th.start()
-                        tl = off.load(cl, gl, path=lp)
+                        tl = off.load(cpu_chunks=cl, gpu_blocks=gl, path=lp)
                         th.join()
                         ts = box[0]
                     rs, rl = ts.wait(120), tl.wait(120)
@@ -681,9 +684,9 @@ def _transfer_loop(off: Any, direction: str, path: str, ids: list[tuple[Any, Any
     while keep_going():
         g, c = ids[i % len(ids)]
         if direction == "d2h":
-            t = off.store(g, c, path=path, stream=side)
+            t = off.store(gpu_blocks=g, cpu_chunks=c, path=path, stream=side)
         else:
-            t = off.load(c, g, path=path, stream=side)
+            t = off.load(cpu_chunks=c, gpu_blocks=g, path=path, stream=side)
         inflight.append(t)
         i += 1
         if len(inflight) >= 2:
@@ -806,8 +809,9 @@ def section_interference(ctx: Context) -> list[Row]:
                         else:
                             # warm-up (table upload, first launch) outside the window
                             g0, c0 = ids[0]
-                            w = (off.store(g0, c0, path=path, stream=side) if direction == "d2h"
-                                 else off.load(c0, g0, path=path, stream=side))
+                            w = (off.store(gpu_blocks=g0, cpu_chunks=c0, path=path, stream=side)
+                                 if direction == "d2h" else
+                                 off.load(cpu_chunks=c0, gpu_blocks=g0, path=path, stream=side))
                             w.wait(120)
 
                             def during(  # type: ignore[misc]
@@ -848,9 +852,9 @@ async def _behind(off: Any, big: tuple[Any, Any], small: tuple[Any, Any], big_pa
     bg, bc = big
     sg, sc = small
     t0 = time.perf_counter()
-    tb = off.load(bc, bg, path=big_path)
+    tb = off.load(cpu_chunks=bc, gpu_blocks=bg, path=big_path)
     t1 = time.perf_counter()
-    ts = off.load(sc, sg, path=small_path, urgent=urgent)
+    ts = off.load(cpu_chunks=sc, gpu_blocks=sg, path=small_path, urgent=urgent)
     await ts
     t2 = time.perf_counter()
     await tb
@@ -940,7 +944,7 @@ def section_layerwise(ctx: Context) -> list[Row]:
         load_dev, load_wall = [], []
         for rep in range(3):
             t0 = time.perf_counter()
-            r = off.load(c, g, path=path, stream=comp).wait(60)
+            r = off.load(cpu_chunks=c, gpu_blocks=g, path=path, stream=comp).wait(60)
             if rep:
                 load_wall.append(time.perf_counter() - t0)
                 load_dev.append(r.seconds)
@@ -968,14 +972,15 @@ def section_layerwise(ctx: Context) -> list[Row]:
             base, first, end = ev(), ev(), ev()
             base.record(comp)
             if mode == "serial-await":  # host waits for the whole load, then computes
-                await off.load(c, g, path=path, stream=comp)
+                await off.load(cpu_chunks=c, gpu_blocks=g, path=path, stream=comp)
                 first.record(comp)
                 for _ in range(layers):
                     compute(per_layer)
                 end.record(comp)
             else:
                 s0 = time.perf_counter()
-                lt = off.load_layerwise(c, g, layers=spec, path=path, stream=comp)
+                lt = off.load_layerwise(cpu_chunks=c, gpu_blocks=g, layers=spec, path=path,
+                                        stream=comp)
                 submit_s.append(time.perf_counter() - s0)
                 for i in range(layers):
                     if mode == "layerwise":

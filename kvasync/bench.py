@@ -174,7 +174,8 @@ class Context:
         try:
             for rep in range(self.reps + 1):
                 t0 = time.perf_counter()
-                t = off.store(g, c, path=path) if direction == "d2h" else off.load(c, g, path=path)
+                t = (off.store(gpu_blocks=g, cpu_chunks=c, path=path) if direction == "d2h"
+                     else off.load(cpu_chunks=c, gpu_blocks=g, path=path))
                 r = t.wait(120)
                 dt = time.perf_counter() - t0
                 moved = r.bytes

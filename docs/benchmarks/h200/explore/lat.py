@@ -20,7 +20,7 @@ for lazy in (False, True, False, True):
         calls, trips = [], []
         for i in range(n + 50):
             j = i % 1024
-            t0 = time.perf_counter(); tr = off.load([j], [j], path=path); t1 = time.perf_counter()
+            t0 = time.perf_counter(); tr = off.load(cpu_chunks=[j], gpu_blocks=[j], path=path); t1 = time.perf_counter()
             await tr
             t2 = time.perf_counter()
             if i >= 50: calls.append(t1 - t0); trips.append(t2 - t0)
@@ -29,7 +29,7 @@ for lazy in (False, True, False, True):
         calls, trips = [], []
         for i in range(n + 50):
             j = i % 1024
-            t0 = time.perf_counter(); tr = off.load([j], [j], path=path); t1 = time.perf_counter()
+            t0 = time.perf_counter(); tr = off.load(cpu_chunks=[j], gpu_blocks=[j], path=path); t1 = time.perf_counter()
             tr.wait(10); t2 = time.perf_counter()
             if i >= 50: calls.append(t1 - t0); trips.append(t2 - t0)
         return calls, trips
@@ -45,13 +45,14 @@ for lazy in (False, True, False, True):
         calls, trips = [], []
         for i in range(305):
             g, c = ids[i % 16]
-            t0 = time.perf_counter(); tr = off.store(g, c, path=path); t1 = time.perf_counter(); tr.wait(10); t2 = time.perf_counter()
+            t0 = time.perf_counter(); tr = off.store(gpu_blocks=g, cpu_chunks=c, path=path); t1 = time.perf_counter(); tr.wait(10); t2 = time.perf_counter()
             if i >= 5: calls.append(t1 - t0); trips.append(t2 - t0)
         report(f"{tag} store 64x128 {path}", calls, trips)
     if lazy:
         pr = cProfile.Profile(); pr.enable()
         for i in range(300):
-            off.store(*ids[i % 16], path="kernel").wait(10)
+            g, c = ids[i % 16]
+            off.store(gpu_blocks=g, cpu_chunks=c, path="kernel").wait(10)
         pr.disable(); s = io.StringIO(); pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(30)
         open(os.path.join(OUT, "store64-prof.txt"), "w").write(s.getvalue())
     off.close()
@@ -63,7 +64,7 @@ for lazy in (False, True, False, True):
             nonlocal done
             i = w
             while time.perf_counter() < stop:
-                await off.load([i % 8192], [i % 8192], path=path); done += 1; i += 64
+                await off.load(cpu_chunks=[i % 8192], gpu_blocks=[i % 8192], path=path); done += 1; i += 64
         t0 = time.perf_counter(); await asyncio.gather(*(worker(w) for w in range(64)))
         return done / (time.perf_counter() - t0)
     for path in ("auto", "kernel", "dma"):

@@ -21,7 +21,7 @@ for page in (4096, 16384, 262144):
             for rep in range(5):
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
-                t = off.store(g, c, path=path) if direction == "d2h" else off.load(c, g, path=path)
+                t = off.store(gpu_blocks=g, cpu_chunks=c, path=path) if direction == "d2h" else off.load(cpu_chunks=c, gpu_blocks=g, path=path)
                 t1 = time.perf_counter()
                 rec = t._queue._fifo[-1]
                 while not rec.start.query():
@@ -43,7 +43,7 @@ for page in (4096, 16384, 262144):
         if page == 4096:
             pr = cProfile.Profile(); pr.enable()
             for _ in range(3):
-                t = off.store(g, c, path="kernel") if direction == "d2h" else off.load(c, g, path="kernel"); t.wait(60)
+                t = off.store(gpu_blocks=g, cpu_chunks=c, path="kernel") if direction == "d2h" else off.load(cpu_chunks=c, gpu_blocks=g, path="kernel"); t.wait(60)
             pr.disable(); s = io.StringIO(); pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(18); prof_txt.append(s.getvalue())
     off.close()
 open(os.path.join(OUT, "overhead-prof.txt"), "w").write("\n".join(prof_txt))

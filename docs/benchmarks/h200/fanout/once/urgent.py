@@ -34,9 +34,9 @@ def measure(page: int, big_dir: str, random: bool, urgent_path: str, reps: int =
             g = rng.permutation(n) if random else np.arange(n)
             c = rng.permutation(n) if random else np.arange(n)
             t0 = time.perf_counter()
-            big = off.load(c, g) if big_dir == "h2d" else off.store(g, c)
+            big = off.load(cpu_chunks=c, gpu_blocks=g) if big_dir == "h2d" else off.store(gpu_blocks=g, cpu_chunks=c)
             t1 = time.perf_counter()
-            await off.load([n], [n], urgent=True, path=urgent_path)
+            await off.load(cpu_chunks=[n], gpu_blocks=[n], urgent=True, path=urgent_path)
             t2 = time.perf_counter()
             await big
             return t2 - t1, time.perf_counter() - t0
