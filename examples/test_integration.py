@@ -107,7 +107,7 @@ async def test_many_concurrent_transfers_complete_in_submission_order(cache: KV)
     transfers = [off.store(gpu_blocks=[b], cpu_chunks=[b]) for b in range(NUM_BLOCKS)]
     completed: list[int] = []
     for t in transfers:
-        t.add_done_callback(lambda t: completed.append(t.job_id))  # runs on kvasync's thread
+        t.add_done_callback(lambda t: completed.append(t.job_id))  # runs on this loop
 
     results = await asyncio.wait_for(asyncio.gather(*transfers), TIMEOUT_S)
 

@@ -214,8 +214,9 @@ async def test_done_callback_exception_is_logged_and_contained(
     t.add_done_callback(lambda tr: seen.append(tr.job_id))
     with caplog.at_level(logging.ERROR, logger="kvasync"):
         await t
-        off.drain_sync(5)  # callbacks run after awaiters are woken: wait for them
-        t.add_done_callback(bad)  # already done: runs now, still contained
+        off.drain_sync(5)  # (callbacks added in a loop ran before the await returned)
+        t.add_done_callback(bad)  # already done: scheduled on this loop, still contained
+        await asyncio.sleep(0)
     assert seen == [0]
     assert sum("boom" in (r.exc_text or "") or "raised" in r.getMessage()
                for r in caplog.records) >= 2

@@ -53,6 +53,7 @@ async def test_layerwise_load_signals_each_layer(
     assert first.bytes == 3 * 2 * 256
     t.wait_layer(layers - 1)  # a compute-stream wait on the last layer's event
     total = await t
+    await asyncio.sleep(0)  # callbacks added in a loop run on it: let the last ones run
     assert total.bytes == 3 * 2 * 256 * layers and total.success
     assert done_order == list(range(layers))
     for i in range(2 * layers):
