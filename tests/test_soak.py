@@ -28,6 +28,7 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+@pytest.mark.slow  # ~100 s: CI runs it as its own step (`pytest -m slow`)
 @pytest.mark.parametrize(
     "backend_path",
     [pytest.param(("host", "auto", 1.0), id="host"),
