@@ -118,13 +118,13 @@ def rank_main(name: str, case: str, role: str, tp: int, rank: int, blocks: int, 
             nbytes, seconds = 0, 0.0
             if writer:
                 t0 = time.perf_counter()
-                nbytes = (await off.store(ids, ids)).bytes
+                nbytes = (await off.store(gpu_blocks=ids, cpu_chunks=ids)).bytes
                 seconds = time.perf_counter() - t0
             barrier.wait()  # every store landed
             ok = True
             if not writer:
                 t0 = time.perf_counter()
-                nbytes = (await off.load(ids[::-1], ids)).bytes  # reversed: real remapping
+                nbytes = (await off.load(cpu_chunks=ids[::-1], gpu_blocks=ids)).bytes  # reversed: real remapping
                 seconds = time.perf_counter() - t0
                 ok = bool(np.array_equal(to_numpy(gpu), host_kv[::-1]))
             barrier.wait()  # every load landed: the page mappings are final

@@ -104,10 +104,10 @@ async def test_store_then_load_round_trip(cache: KV) -> None:
 async def test_many_concurrent_transfers_complete_in_submission_order(cache: KV) -> None:
     off = cache.off
     # 64 single-block stores, all submitted before the first await
-    transfers = [off.store([b], [b]) for b in range(NUM_BLOCKS)]
+    transfers = [off.store(gpu_blocks=[b], cpu_chunks=[b]) for b in range(NUM_BLOCKS)]
     completed: list[int] = []
     for t in transfers:
-        t.add_done_callback(lambda t: completed.append(t.job_id))  # runs on kvasync's thread
+        t.add_done_callback(lambda t: completed.append(t.job_id))  # runs on this loop
 
     results = await asyncio.wait_for(asyncio.gather(*transfers), TIMEOUT_S)
 
@@ -121,10 +121,10 @@ async def test_many_concurrent_transfers_complete_in_submission_order(cache: KV)
 @pytest.mark.asyncio
 async def test_stores_and_loads_run_concurrently(cache: KV) -> None:
     off = cache.off
-    await off.store(list(range(8)), list(range(8)))
+    await off.store(gpu_blocks=list(range(8)), cpu_chunks=list(range(8)))
     # loads of chunks 0..7 and stores into chunks 8..15 interleave freely: two queues
-    loads = [off.load([c], [32 + c]) for c in range(8)]
-    stores = [off.store([16 + c], [8 + c]) for c in range(8)]
+    loads = [off.load(cpu_chunks=[c], gpu_blocks=[32 + c]) for c in range(8)]
+    stores = [off.store(gpu_blocks=[16 + c], cpu_chunks=[8 + c]) for c in range(8)]
     await asyncio.wait_for(asyncio.gather(*loads, *stores), TIMEOUT_S)
     for i in range(NUM_TENSORS):
         np.testing.assert_array_equal(cache.gpu(i)[32:40], cache.gpu(i)[0:8])
@@ -133,11 +133,11 @@ async def test_stores_and_loads_run_concurrently(cache: KV) -> None:
 @pytest.mark.parametrize(
     ("call", "match"),
     [
-        (lambda off: off.store([-1], [0]), "out of range"),
-        (lambda off: off.store([0], [NUM_CHUNKS]), "out of range"),
-        (lambda off: off.store([0, 1], [0]), "cpu chunks"),
-        (lambda off: off.store([0, 1], [5, 5]), "duplicate destination"),
-        (lambda off: off.load([0], [0.5]), "integers"),
+        (lambda off: off.store(gpu_blocks=[-1], cpu_chunks=[0]), "out of range"),
+        (lambda off: off.store(gpu_blocks=[0], cpu_chunks=[NUM_CHUNKS]), "out of range"),
+        (lambda off: off.store(gpu_blocks=[0, 1], cpu_chunks=[0]), "cpu chunks"),
+        (lambda off: off.store(gpu_blocks=[0, 1], cpu_chunks=[5, 5]), "duplicate destination"),
+        (lambda off: off.load(cpu_chunks=[0], gpu_blocks=[0.5]), "integers"),
     ],
     ids=["negative block", "chunk too large", "count mismatch", "duplicate chunk", "float id"],
 )
@@ -151,7 +151,7 @@ async def test_bad_requests_raise_before_anything_is_enqueued(
     with pytest.raises(kv.InvalidTransferError, match=match):
         call(off)  # raised by the call itself: there is no transfer to await
 
-    good = await asyncio.wait_for(off.store([0], [9]), TIMEOUT_S)
+    good = await asyncio.wait_for(off.store(gpu_blocks=[0], cpu_chunks=[9]), TIMEOUT_S)
     assert good.job_id == 0  # the rejected call did not even take a job id
     for i, (now, was) in enumerate(zip(off.cpu_tensors, before)):
         np.testing.assert_array_equal(np.delete(now, 9, axis=0), np.delete(was, 9, axis=0))
@@ -162,5 +162,5 @@ async def test_bad_requests_raise_before_anything_is_enqueued(
 async def test_closed_offloader_refuses_work(cache: KV) -> None:
     await cache.off.aclose()
     with pytest.raises(kv.OffloaderClosedError):
-        cache.off.store([0], [0])
+        cache.off.store(gpu_blocks=[0], cpu_chunks=[0])
     await cache.off.aclose()  # closing twice is fine (the fixture closes it again)

@@ -4,7 +4,8 @@ Transfers complete on the scheduler's completion threads (which sleep in a block
 wait, so nothing spins while idle). The first `await` in a loop starts that loop's resolver
 task; a completing transfer appends itself to the resolvers of the loops that await it and
 wakes each with a single `call_soon_threadsafe` (coalesced while a wake is pending). The task
-then sets the loop futures, in completion order, on the loop's own thread.
+then sets the loop futures, in completion order, on the loop's own thread, and schedules the
+done-callbacks added from that loop (`Transfer.add_done_callback` inside a loop).
 
 Hybrid polling ("hybrid" mode, the default): a thread wake costs tens of microseconds, far
 more than a small copy takes. So while a transfer some task awaits is predicted to end within
@@ -137,6 +138,8 @@ class _LoopResolver:
                 if not self._ready:
                     return
                 transfer = self._ready.popleft()
+            # as for an asyncio future: the done-callbacks run before the awaiters resume
+            transfer._schedule_callbacks(self.loop)
             for fut in self.waiting.pop(transfer, ()):
                 if fut.done():  # the awaiting task was cancelled
                     continue
@@ -191,6 +194,31 @@ class CompletionEngine:
         if self.poll:
             resolver.notify(None)  # an idle resolver re-evaluates: start polling if near
         return fut
+
+    def future_after_callbacks(
+        self, transfer: Transfer
+    ) -> asyncio.Future[TransferResult] | None:
+        """For an awaiter of a done `transfer` whose done-callbacks added from the running
+        loop are not scheduled yet: a future the resolver sets right after scheduling them
+        (it drains in completion order, so callbacks keep that order); else None."""
+        loop = asyncio.get_running_loop()
+        if not any(c[1] is loop for c in transfer._loop_callbacks):
+            return None
+        fut: asyncio.Future[TransferResult] = loop.create_future()
+        self._resolver(loop).waiting.setdefault(transfer, []).append(fut)
+        return fut
+
+    def watch(self, transfer: Transfer, callback: tuple[Any, asyncio.AbstractEventLoop, Any]
+              ) -> bool:
+        """Have the running loop's resolver schedule `callback` (fn, loop, context) once
+        `transfer` is done (a done-callback added inside a loop); False if already done."""
+        resolver = self._resolver(callback[1])
+        if not transfer._attach(resolver, callback):
+            return False
+        resolver.waiting.setdefault(transfer, [])  # watched: the resolver polls near its end
+        if self.poll:
+            resolver.notify(None)
+        return True
 
     @property
     def num_tasks(self) -> int:

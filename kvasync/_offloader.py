@@ -11,12 +11,13 @@ queue is touched, so a bad call raises and leaves no trace.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import threading
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar, cast
 
 import numpy as np
 
@@ -48,6 +49,30 @@ log = logging.getLogger("kvasync")
 
 Ids = Sequence[int] | np.ndarray
 
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def _ids_by_keyword(example: str) -> Callable[[_Method], _Method]:
+    """Refuse positional ids with a TypeError that shows the keyword call.
+
+    `store` takes GPU blocks then CPU chunks and `load` the reverse, so positional ids
+    meant for the other call would copy the wrong blocks without any error.
+    """
+
+    def decorate(method: _Method) -> _Method:
+        @functools.wraps(method)
+        def checked(self: Offloader, *args: Any, **kwargs: Any) -> Any:
+            if args:
+                raise TypeError(
+                    f"Offloader.{method.__name__}() takes its ids by keyword only: {example} "
+                    f"(got {len(args)} positional argument{'s' if len(args) > 1 else ''})"
+                )
+            return method(self, **kwargs)
+
+        return cast(_Method, checked)
+
+    return decorate
+
 
 def _pick_backend(name: str, layout: KVCacheLayout) -> str:
     if name != "auto":
@@ -67,13 +92,32 @@ def _pick_backend(name: str, layout: KVCacheLayout) -> str:
     )
 
 
+def _chunks_for(
+    num_cpu_chunks: int | None, cpu_bytes: int | None, pages: list[int], blocks_per_chunk: int
+) -> int:
+    """Chunks per tensor: `num_cpu_chunks`, or as many whole chunks as `cpu_bytes` holds."""
+    if num_cpu_chunks is not None:
+        return int(num_cpu_chunks)
+    assert cpu_bytes is not None
+    per_chunk = sum(pages) * blocks_per_chunk  # one chunk of every tensor
+    chunks = int(cpu_bytes) // per_chunk
+    if chunks < 1:
+        raise InvalidTransferError(
+            f"cpu_bytes={cpu_bytes} holds no whole chunk: one chunk of the {len(pages)} KV "
+            f"tensors ({blocks_per_chunk} block(s) each) takes {per_chunk} B"
+        )
+    return chunks
+
+
 class Offloader:
     """Moves blocks of `layout` between its device tensors and a host copy.
 
     The host copy has `num_cpu_chunks` chunks per KV tensor; a chunk holds
-    `blocks_per_chunk` blocks. `store()` and `load()` return a `Transfer` that is already
-    submitted; transfers of one direction run and complete in call order, the two
-    directions are independent.
+    `blocks_per_chunk` blocks. Or give `cpu_bytes` instead: the host copy gets as many whole
+    chunks as fit (rounded down; `cpu_bytes` below one chunk of every tensor is refused);
+    `off.cpu_bytes` reports the bytes it uses. `store()` and `load()` return a `Transfer`
+    that is already submitted; transfers of one direction run and complete in call order,
+    the two directions are independent.
 
     The host copy is row-contiguous: one row per CPU chunk holding every KV tensor's
     `blocks_per_chunk` sub-blocks side by side (tensors ordered by KV-cache group), so the
@@ -90,10 +134,11 @@ class Offloader:
     def __init__(
         self,
         layout: KVCacheLayout,
-        num_cpu_chunks: int,
+        num_cpu_chunks: int | None = None,
         blocks_per_chunk: int = 1,
         backend: str | Backend = "auto",
         *,
+        cpu_bytes: int | None = None,
         copy_path: str = "auto",
         canonical: bool = False,
         host_region: Any | None = None,
@@ -104,18 +149,30 @@ class Offloader:
     ) -> None:
         if not isinstance(layout, KVCacheLayout):
             raise InvalidTransferError(f"layout must be a KVCacheLayout, got {type(layout)}")
+        if (num_cpu_chunks is None) == (cpu_bytes is None):
+            raise InvalidTransferError(
+                "give the host copy's size as num_cpu_chunks or as cpu_bytes (exactly one), "
+                f"got num_cpu_chunks={num_cpu_chunks!r}, cpu_bytes={cpu_bytes!r}"
+            )
         for name, value, low in (
             ("num_cpu_chunks", num_cpu_chunks, 1),
+            ("cpu_bytes", cpu_bytes, 1),
             ("blocks_per_chunk", blocks_per_chunk, 1),
             ("max_streams", max_streams, 1),
         ):
+            if value is None and name in ("num_cpu_chunks", "cpu_bytes"):
+                continue
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
                 raise InvalidTransferError(f"{name} must be an int >= {low}, got {value!r}")
         self.layout = layout
-        self.num_cpu_chunks = int(num_cpu_chunks)
         self.blocks_per_chunk = int(blocks_per_chunk)
         self.canonical = bool(canonical)
         canon_sizes = layout.canonical_bytes_per_block() if self.canonical else None
+        self.num_cpu_chunks = _chunks_for(
+            num_cpu_chunks, cpu_bytes,
+            canon_sizes if canon_sizes is not None else [t.page for t in layout.tensors],
+            self.blocks_per_chunk,
+        )
         first = layout.tensors[0].info
         if isinstance(backend, Backend):
             self.backend = backend
@@ -180,6 +237,7 @@ class Offloader:
             views = [rows[:, off : off + page] for off, page in zip(offsets, pages)]
             self.host_pinned = mem.pinned or self.backend.pin_functions() is None
         self._cpu_views = views
+        self._chunk_bytes = sum(pages)
 
         gpu_geo = SideGeometry(
             base=[t.info.ptr for t in layout.tensors],
@@ -236,6 +294,11 @@ class Offloader:
         return int(getattr(self.backend, "staging_bytes", 0))
 
     @property
+    def cpu_bytes(self) -> int:
+        """Bytes of the host copy: `num_cpu_chunks` chunks of every KV tensor."""
+        return self.num_cpu_chunks * self._chunk_bytes
+
+    @property
     def closed(self) -> bool:
         return self._closed
 
@@ -244,13 +307,14 @@ class Offloader:
         """True once a transfer failed; the failed direction refuses new transfers."""
         return any(q.failure is not None for q in self._queues.values())
 
+    @_ids_by_keyword("store(gpu_blocks=[...], cpu_chunks=[...])")
     def store(
         self,
+        *,
         gpu_blocks: Ids,
         cpu_chunks: Ids,
         group_sizes: Sequence[int] | None = None,
         block_indices: Sequence[int] | None = None,
-        *,
         job_id: int | None = None,
         stream: Any | None = None,
         path: str | None = None,
@@ -258,6 +322,8 @@ class Offloader:
     ) -> Transfer:
         """Copy GPU blocks into CPU chunks; returns the submitted Transfer (GPU -> host).
 
+        Every argument is keyword-only: `store` and `load` take the same two id lists in
+        opposite roles, so positional ids raise TypeError instead of copying the wrong blocks.
         `stream` overrides the compute stream to wait on; `path` the copy path. An `urgent`
         transfer runs in its direction's urgent lane: it is ordered after earlier urgent
         transfers (and the compute stream) but not after normal ones, so it is not stuck
@@ -266,13 +332,14 @@ class Offloader:
         return self._submit("d2h", gpu_blocks, cpu_chunks, group_sizes, block_indices,
                             job_id, stream, path, urgent)
 
+    @_ids_by_keyword("load(cpu_chunks=[...], gpu_blocks=[...])")
     def load(
         self,
+        *,
         cpu_chunks: Ids,
         gpu_blocks: Ids,
         group_sizes: Sequence[int] | None = None,
         block_indices: Sequence[int] | None = None,
-        *,
         job_id: int | None = None,
         stream: Any | None = None,
         path: str | None = None,
@@ -285,13 +352,14 @@ class Offloader:
         return self._submit("h2d", gpu_blocks, cpu_chunks, group_sizes, block_indices,
                             job_id, stream, path, urgent)
 
+    @_ids_by_keyword("load_layerwise(cpu_chunks=[...], gpu_blocks=[...])")
     def load_layerwise(
         self,
+        *,
         cpu_chunks: Ids,
         gpu_blocks: Ids,
         group_sizes: Sequence[int] | None = None,
         block_indices: Sequence[int] | None = None,
-        *,
         layers: Sequence[Sequence[int]] | None = None,
         job_id: int | None = None,
         stream: Any | None = None,
@@ -476,7 +544,8 @@ class Offloader:
         state = "closed" if self._closed else "open"
         return (
             f"<Offloader {self.backend.name} {len(self.layout.tensors)} tensors "
-            f"{self.num_cpu_chunks} chunks x {self.blocks_per_chunk} blocks {state}>"
+            f"{self.num_cpu_chunks} chunks x {self.blocks_per_chunk} blocks "
+            f"({self.cpu_bytes} B host) {state}>"
         )
 
     def _resources(self) -> dict[str, int]:

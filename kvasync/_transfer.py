@@ -4,10 +4,20 @@ A Transfer is completed exactly once, from the direction's completion thread, in
 submission order. It can be waited on from sync code (`wait`), awaited from any number of
 tasks in any number of event loops (each await gets its own loop future, so cancelling one
 awaiter cancels neither the copy nor the other awaiters), and observed with callbacks.
+
+It also has the methods of an asyncio future that a multi-loop object can honour:
+`get_loop()` answers the caller's running loop, and a done-callback added inside a loop
+runs on that loop, scheduled by the loop's resolver task (what `asyncio.wait` needs). A
+submitted copy cannot be recalled: `cancel()` returns False, and `asyncio.isfuture()` is
+False on purpose (see `_FutureMethods`), so asyncio wraps a transfer in a task wherever it
+stops waiting by cancelling.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
+import functools
 import logging
 import threading
 import time
@@ -36,8 +46,52 @@ class TransferResult:
     seconds: float
 
 
-class Transfer:
-    """A store or load that is already submitted; await it, `wait()` it, or poll `done()`."""
+Callback = Callable[[Any], object]
+
+
+class _FutureMethods:
+    """The asyncio future methods that a transfer awaitable from any loop can honour.
+
+    There is deliberately no `_asyncio_future_blocking`, so `asyncio.isfuture()` is False:
+    asyncio stops waiting on a future it was given by cancelling it (`gather` when cancelled,
+    `wait_for` on timeout before Python 3.12, `wait_for(t, 0)`), and a submitted copy cannot
+    be cancelled, so it would wait for the copy to end instead. Told it is an awaitable,
+    asyncio wraps it in a task wherever it may cancel, and cancelling that task stops only
+    the waiting. Where asyncio just watches (`asyncio.wait`), the methods below serve.
+    """
+
+    __slots__ = ()
+
+    def get_loop(self) -> asyncio.AbstractEventLoop:
+        """The running event loop of the caller (a transfer belongs to no single loop)."""
+        loop = asyncio._get_running_loop()
+        if loop is None:
+            raise RuntimeError(
+                f"{self!r} belongs to no event loop; get_loop() answers the caller's running "
+                "loop and there is none (use wait() outside a loop)"
+            )
+        return loop
+
+    def cancel(self, msg: Any | None = None) -> bool:
+        """Always False: a submitted copy cannot be recalled (the device is already told).
+
+        To stop *waiting*, cancel the task that awaits the transfer: that task gets
+        CancelledError, while the copy and every other awaiter carry on.
+        """
+        return False
+
+    def cancelled(self) -> bool:
+        """Always False (see `cancel`)."""
+        return False
+
+
+class Transfer(_FutureMethods):
+    """A store or load that is already submitted; await it, `wait()` it, or poll `done()`.
+
+    Pass it as it is wherever asyncio or anyio take an awaitable or a future (`asyncio.wait`,
+    `as_completed`, `gather`, `shield`, `wait_for`, `timeout()`, task groups, anyio's
+    `fail_after`); cancelling any of them stops the waiting, never the copy.
+    """
 
     __slots__ = (
         "__weakref__",
@@ -46,6 +100,7 @@ class Transfer:
         "_engine",
         "_error",
         "_eta",
+        "_loop_callbacks",
         "_queue",
         "_resolvers",
         "_result",
@@ -64,7 +119,11 @@ class Transfer:
         self._cond = threading.Condition(threading.Lock())
         self._result: TransferResult | None = None
         self._error: BaseException | None = None
-        self._callbacks: list[Callable[[Transfer], object]] = []
+        #: callbacks added outside any event loop: (fn, context), run by the completing thread
+        self._callbacks: list[tuple[Callback, contextvars.Context | None]] = []
+        #: callbacks added inside a loop: (fn, loop, context), scheduled by that loop's resolver
+        self._loop_callbacks: list[tuple[Callback, asyncio.AbstractEventLoop,
+                                         contextvars.Context | None]] = []
         self._resolvers: list[Any] = []
         #: the DirectionQueue running it and its predicted completion time (perf_counter)
         self._queue: Any = None
@@ -135,18 +194,50 @@ class Transfer:
                 raise TimeoutError(f"{self!r} did not finish within {timeout} s")
             return self._outcome()
 
-    def add_done_callback(self, fn: Callable[[Transfer], object]) -> None:
-        """Call `fn(transfer)` once done: now if already done, else from the thread that
-        completes it (the direction's completion thread, or an awaiting loop's or waiting
-        thread when it polled the completion itself). Callbacks run in completion order.
+    def add_done_callback(
+        self, fn: Callable[[Transfer], object], *, context: contextvars.Context | None = None
+    ) -> None:
+        """Call `fn(transfer)` once done (in `context` when given).
+
+        Added inside a running event loop (as asyncio's own combinators do), `fn` is scheduled
+        on that loop with `call_soon`, as for an asyncio future of that loop; the loop's
+        resolver task schedules it when the transfer completes. Added outside any loop, `fn`
+        runs now if already done, else on the thread that completes the transfer (the
+        direction's completion thread, or a thread that polled the completion itself). Either
+        way, callbacks run in completion order.
 
         An exception raised by `fn` is logged and does not affect the transfer or others.
         """
+        loop = asyncio._get_running_loop()
+        if loop is not None:
+            if not self._engine.watch(self, (fn, loop, context)):
+                loop.call_soon(_run_callback, fn, self, context=context)
+            return
         with self._cond:
             if not self.done():
-                self._callbacks.append(fn)
+                self._callbacks.append((fn, context))
                 return
-        _run_callback(fn, self)
+        _run_callback(_in_context(fn, context), self)
+
+    def remove_done_callback(self, fn: Callback) -> int:
+        """Remove every registration of `fn` that has not run yet; returns how many."""
+        with self._cond:
+            before = len(self._callbacks) + len(self._loop_callbacks)
+            self._callbacks = [c for c in self._callbacks if c[0] != fn]
+            self._loop_callbacks = [c for c in self._loop_callbacks if c[0] != fn]
+            return before - len(self._callbacks) - len(self._loop_callbacks)
+
+    def _schedule_callbacks(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Schedule the done-callbacks added from `loop` (its resolver calls this on the
+        loop's thread once the transfer is done, in completion order)."""
+        if not self._loop_callbacks:  # ours are added on this thread: no lock needed to see
+            return
+        with self._cond:
+            mine = [(fn, ctx) for fn, lp, ctx in self._loop_callbacks if lp is loop]
+            if mine:
+                self._loop_callbacks = [c for c in self._loop_callbacks if c[1] is not loop]
+        for fn, ctx in mine:
+            loop.call_soon(_run_callback, fn, self, context=ctx)
 
     def __await__(self) -> Generator[Any, None, TransferResult]:
         q = self._queue
@@ -163,22 +254,31 @@ class Transfer:
                     if self.done() or time.perf_counter() > deadline:
                         break
                     yield  # one event-loop iteration, as asyncio.sleep(0)
-        if self.done():
-            return self.result()
-        fut = self._engine.future_for(self)
-        if fut is None:  # completed while registering
-            return self.result()
-        result: TransferResult = yield from fut.__await__()
-        return result
+        if not self.done():
+            fut = self._engine.future_for(self)
+            if fut is not None:
+                result: TransferResult = yield from fut.__await__()
+                return result
+        if self._loop_callbacks:  # done-callbacks added from this loop run first, in order
+            fut = self._engine.future_after_callbacks(self)
+            if fut is not None:
+                after: TransferResult = yield from fut.__await__()
+                return after
+        return self.result()
 
     # -- completion (called by the scheduler's completion thread) -----------------------------
-    def _attach(self, resolver: Any) -> bool:
-        """Register a loop resolver to be told on completion; False if already done."""
+    def _attach(self, resolver: Any, callback: tuple[Callback, asyncio.AbstractEventLoop,
+                                                     contextvars.Context | None] | None = None
+                ) -> bool:
+        """Register a loop resolver to be told on completion (and a done-callback it will
+        schedule); False if already done."""
         with self._cond:
             if self.done():
                 return False
             if resolver not in self._resolvers:
                 self._resolvers.append(resolver)
+            if callback is not None:
+                self._loop_callbacks.append(callback)
             return True
 
     def _complete(self, result: TransferResult | None, error: BaseException | None) -> None:
@@ -200,8 +300,14 @@ class Transfer:
             self._cond.notify_all()
         for resolver in resolvers:
             resolver.notify(self)
-        for fn in callbacks:
-            _run_callback(fn, self)
+        for fn, ctx in callbacks:
+            _run_callback(_in_context(fn, ctx), self)
+
+
+def _in_context(fn: Callback, context: contextvars.Context | None) -> Callback:
+    if context is None:
+        return fn
+    return functools.partial(context.run, fn)  # type: ignore[call-arg]
 
 
 def _run_callback(fn: Callable[[Transfer], object], transfer: Transfer) -> None:
@@ -211,12 +317,14 @@ def _run_callback(fn: Callable[[Transfer], object], transfer: Transfer) -> None:
         log.exception("kvasync: done-callback %r of %r raised", fn, transfer)
 
 
-class LayeredTransfer:
+class LayeredTransfer(_FutureMethods):
     """A load split per layer (`Offloader.load_layerwise`): one Transfer per layer.
 
     Awaiting it awaits every layer and returns one TransferResult (bytes and seconds summed).
     `layers[i]` is layer i's own Transfer; `events[i]` a device event recorded when layer i
     has landed, kept for the life of this object, that `wait_layer` makes a stream wait on.
+    It has a Transfer's future methods; it is done when its last layer is (the layers run
+    in one lane, which completes them in order).
     """
 
     def __init__(
@@ -232,6 +340,28 @@ class LayeredTransfer:
 
     def done(self) -> bool:
         return all(t.done() for t in self.layers)
+
+    def result(self) -> TransferResult:
+        """The summed result; raises the first layer's failure, RuntimeError if not done."""
+        if not self.done():
+            raise RuntimeError(f"{self!r} is not done yet")
+        return self._combine([t.result() for t in self.layers])
+
+    def exception(self) -> BaseException | None:
+        """The first layer's failure, or None (raises RuntimeError if not done)."""
+        if not self.done():
+            raise RuntimeError(f"{self!r} is not done yet")
+        return next((e for e in (t.exception() for t in self.layers) if e is not None), None)
+
+    def add_done_callback(
+        self, fn: Callable[[LayeredTransfer], object], *,
+        context: contextvars.Context | None = None
+    ) -> None:
+        """Call `fn(self)` once every layer is done; where it runs as for a Transfer."""
+        self.layers[-1].add_done_callback(_Relay(fn, self), context=context)
+
+    def remove_done_callback(self, fn: Callable[[LayeredTransfer], object]) -> int:
+        return self.layers[-1].remove_done_callback(fn)
 
     def wait_layer(self, index: int, stream: Any | None = None) -> None:
         """Make `stream` (default: the compute stream) wait on the device until layer `index`
@@ -258,3 +388,25 @@ class LayeredTransfer:
 
     def __repr__(self) -> str:
         return f"<LayeredTransfer job_id={self.job_id} {len(self.layers)} layers>"
+
+
+class _Relay:
+    """A done-callback of a LayeredTransfer, registered on its last layer: calls `fn` with
+    the LayeredTransfer, and equals `fn` so that removing `fn` finds it."""
+
+    __slots__ = ("fn", "owner")
+
+    def __init__(self, fn: Callback, owner: LayeredTransfer) -> None:
+        self.fn = fn
+        self.owner = owner
+
+    def __call__(self, _layer: Transfer) -> object:
+        return self.fn(self.owner)
+
+    def __eq__(self, other: object) -> bool:
+        return other is self or other == self.fn
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"<done-callback {self.fn!r} of {self.owner!r}>"

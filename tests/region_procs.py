@@ -233,12 +233,12 @@ def tp_rank(name: str, kind: str, role: str, tp: int, rank: int, rows: int, stri
         async def run() -> tuple[int, bool, bool, int]:
             nbytes = 0
             if writer:
-                nbytes = (await off.store(blocks, blocks)).bytes
+                nbytes = (await off.store(gpu_blocks=blocks, cpu_chunks=blocks)).bytes
             barrier.wait()  # every store is done
             canon_ok = bool(np.array_equal(region.raw_view()[:TP_BLOCKS, : flat.shape[1]],
                                            flat))
             if not writer:
-                nbytes = (await off.load(blocks, blocks)).bytes
+                nbytes = (await off.load(cpu_chunks=blocks, gpu_blocks=blocks)).bytes
             shard_ok = bool(np.array_equal(gpu, want))
             barrier.wait()  # every load is done: the page mappings are final
             pss = pss_bytes(region.base_ptr)

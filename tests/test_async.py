@@ -50,7 +50,7 @@ async def test_many_awaiters_resolve_in_submission_order(gate: Gate) -> None:
     order: list[int] = []
     # held behind the gate until every waiter awaits (else a waiter that starts after its
     # transfer finished returns at once, ahead of earlier ones still waking up)
-    transfers = [off.store([i % 64], [i % 64], stream=gate.stream) for i in range(n)]
+    transfers = [off.store(gpu_blocks=[i % 64], cpu_chunks=[i % 64], stream=gate.stream) for i in range(n)]
     for t in transfers:
         t.add_done_callback(lambda tr: order.append(tr.job_id))
     awaited: list[int] = []
@@ -73,7 +73,7 @@ async def test_many_awaiters_resolve_in_submission_order(gate: Gate) -> None:
     assert len(awaited) == 3 * n and sorted(awaited) == sorted(list(range(n)) * 3)
     # awaiters were resolved by one task in completion order
     assert awaited[::3] == sorted(awaited[::3]) or awaited == sorted(awaited)
-    loads = [off.load([i], [i]) for i in range(64)]
+    loads = [off.load(cpu_chunks=[i], gpu_blocks=[i]) for i in range(64)]
     results = await asyncio.gather(*loads)
     assert [r.job_id for r in results] == list(range(n, n + 64))
     await off.aclose()
@@ -82,9 +82,9 @@ async def test_many_awaiters_resolve_in_submission_order(gate: Gate) -> None:
 @pytest.mark.asyncio
 async def test_stores_and_loads_are_independent_queues(gate: Gate) -> None:
     gpu, off = make(compute_stream=None)
-    held = off.store([0], [0], stream=gate.stream)
-    behind = off.store([1], [1])
-    load = off.load([5], [5])
+    held = off.store(gpu_blocks=[0], cpu_chunks=[0], stream=gate.stream)
+    behind = off.store(gpu_blocks=[1], cpu_chunks=[1])
+    load = off.load(cpu_chunks=[5], gpu_blocks=[5])
     r = await asyncio.wait_for(load, 5)  # the load does not wait for the held stores
     assert r.success and not held.done() and not behind.done()
     gate.open()
@@ -95,7 +95,7 @@ async def test_stores_and_loads_are_independent_queues(gate: Gate) -> None:
 @pytest.mark.asyncio
 async def test_cancelled_awaiter_does_not_cancel_the_copy(gate: Gate) -> None:
     gpu, off = make()
-    t = off.store([3], [9], stream=gate.stream)
+    t = off.store(gpu_blocks=[3], cpu_chunks=[9], stream=gate.stream)
     task = asyncio.create_task(asyncio.wait_for(t, 0.05))
     other = asyncio.create_task(_await(t))
     with pytest.raises(asyncio.TimeoutError):
@@ -115,9 +115,9 @@ def test_transfer_from_one_loop_awaited_in_another() -> None:
     gpu, off = make()
 
     async def submit() -> kv.Transfer:
-        t = off.store([1, 2], [3, 4])
+        t = off.store(gpu_blocks=[1, 2], cpu_chunks=[3, 4])
         await t
-        return off.store([5], [6])
+        return off.store(gpu_blocks=[5], cpu_chunks=[6])
 
     t2 = asyncio.run(submit())
     r = asyncio.run(_await(t2))
@@ -127,7 +127,7 @@ def test_transfer_from_one_loop_awaited_in_another() -> None:
 
 def test_loop_closed_with_transfers_pending(gate: Gate, caplog: pytest.LogCaptureFixture) -> None:
     gpu, off = make()
-    t = off.store([7], [8], stream=gate.stream)
+    t = off.store(gpu_blocks=[7], cpu_chunks=[8], stream=gate.stream)
     loop = asyncio.new_event_loop()
     with pytest.raises(asyncio.TimeoutError):
         loop.run_until_complete(asyncio.wait_for(_await(t), 0.05))
@@ -137,13 +137,13 @@ def test_loop_closed_with_transfers_pending(gate: Gate, caplog: pytest.LogCaptur
         r = t.wait(timeout=5)
     assert r.success and not [x for x in caplog.records if x.levelno >= logging.ERROR]
     # a new loop can still await later transfers
-    assert asyncio.run(_await(off.store([1], [1]))).success
+    assert asyncio.run(_await(off.store(gpu_blocks=[1], cpu_chunks=[1]))).success
     off.close()
 
 
 def test_sync_wait_without_a_loop_and_timeouts(gate: Gate) -> None:
     gpu, off = make()
-    t = off.store([0], [0], stream=gate.stream)
+    t = off.store(gpu_blocks=[0], cpu_chunks=[0], stream=gate.stream)
     assert not t.done()
     with pytest.raises(RuntimeError):
         t.result()
@@ -159,7 +159,7 @@ def test_sync_wait_without_a_loop_and_timeouts(gate: Gate) -> None:
 async def test_sync_wait_inside_a_running_loop_like_jupyter(gate: Gate) -> None:
     """A notebook cell runs inside the kernel's loop: `wait()` must not deadlock there."""
     gpu, off = make()
-    t = off.store([2], [2], stream=gate.stream)
+    t = off.store(gpu_blocks=[2], cpu_chunks=[2], stream=gate.stream)
     threading.Timer(0.05, gate.open).start()
     assert t.wait(timeout=5).success  # blocks this (loop) thread; completion runs elsewhere
     assert (await t).success  # and top-level await of a done transfer returns at once
@@ -169,7 +169,7 @@ async def test_sync_wait_inside_a_running_loop_like_jupyter(gate: Gate) -> None:
 @pytest.mark.asyncio
 async def test_waiting_does_not_spin_a_core(gate: Gate) -> None:
     gpu, off = make()
-    t = off.store([1], [1], stream=gate.stream)
+    t = off.store(gpu_blocks=[1], cpu_chunks=[1], stream=gate.stream)
     threading.Timer(0.5, gate.open).start()
     cpu0, wall0 = time.process_time(), time.perf_counter()
     r = await t
@@ -182,7 +182,7 @@ async def test_waiting_does_not_spin_a_core(gate: Gate) -> None:
 @pytest.mark.asyncio
 async def test_loop_stays_responsive_while_transfers_run(gate: Gate) -> None:
     gpu, off = make()
-    ts = [off.store([i], [i], stream=gate.stream) for i in range(32)]
+    ts = [off.store(gpu_blocks=[i], cpu_chunks=[i], stream=gate.stream) for i in range(32)]
     ticks = 0
 
     async def ticker() -> None:
@@ -209,13 +209,14 @@ async def test_done_callback_exception_is_logged_and_contained(
     def bad(t: kv.Transfer) -> None:
         raise RuntimeError("boom")
 
-    t = off.store([0], [0])
+    t = off.store(gpu_blocks=[0], cpu_chunks=[0])
     t.add_done_callback(bad)
     t.add_done_callback(lambda tr: seen.append(tr.job_id))
     with caplog.at_level(logging.ERROR, logger="kvasync"):
         await t
-        off.drain_sync(5)  # callbacks run after awaiters are woken: wait for them
-        t.add_done_callback(bad)  # already done: runs now, still contained
+        off.drain_sync(5)  # (callbacks added in a loop ran before the await returned)
+        t.add_done_callback(bad)  # already done: scheduled on this loop, still contained
+        await asyncio.sleep(0)
     assert seen == [0]
     assert sum("boom" in (r.exc_text or "") or "raised" in r.getMessage()
                for r in caplog.records) >= 2
@@ -225,7 +226,7 @@ async def test_done_callback_exception_is_logged_and_contained(
 @pytest.mark.asyncio
 async def test_aclose_drains_in_order_and_releases_everything() -> None:
     gpu, off = make()
-    ts = [off.store([i], [i]) for i in range(50)]
+    ts = [off.store(gpu_blocks=[i], cpu_chunks=[i]) for i in range(50)]
     res = off._resources()
     assert res["completion_threads"] == 1
     await off.aclose()
@@ -238,14 +239,14 @@ async def test_aclose_drains_in_order_and_releases_everything() -> None:
     await off.aclose()  # twice is a no-op
     off.close()
     with pytest.raises(kv.OffloaderClosedError):
-        off.store([0], [0])
+        off.store(gpu_blocks=[0], cpu_chunks=[0])
 
 
 @pytest.mark.asyncio
 async def test_async_context_manager() -> None:
     gpu = [np.arange(64 * 16, dtype=np.uint8).reshape(64, 16)]
     async with kv.Offloader(kv.KVCacheLayout.from_tensors(gpu), 8) as off:
-        t = off.store([9], [1])
+        t = off.store(gpu_blocks=[9], cpu_chunks=[1])
         r = await t
         host = off.cpu_tensors[0][1].copy()
     assert off.closed and r.success
@@ -256,13 +257,13 @@ async def test_async_context_manager() -> None:
 
 def test_close_from_another_thread_while_in_flight(gate: Gate) -> None:
     gpu, off = make()
-    ts = [off.store([i], [i], stream=gate.stream) for i in range(10)]
+    ts = [off.store(gpu_blocks=[i], cpu_chunks=[i], stream=gate.stream) for i in range(10)]
     closer = threading.Thread(target=off.close)
     closer.start()
     time.sleep(0.05)
     assert closer.is_alive()  # close drains: it waits for the held transfers
     with pytest.raises(kv.OffloaderClosedError):
-        off.store([0], [0])
+        off.store(gpu_blocks=[0], cpu_chunks=[0])
     gate.open()
     closer.join(timeout=5)
     assert not closer.is_alive()
@@ -276,7 +277,7 @@ async def test_host_backend_awaits_never_spin_in_the_awaiting_task() -> None:
     tensors, off = make()
     async with off:
         assert not off._queues[("d2h", False)].spin_await
-        r = await off.store([1, 2], [3, 4])
+        r = await off.store(gpu_blocks=[1, 2], cpu_chunks=[3, 4])
         assert r.success and off._resources()["resolver_tasks"] == 1
         host = off.cpu_tensors
         for k in range(2):
@@ -306,7 +307,7 @@ def test_lazy_thread_completes_unpolled_transfers_in_order_and_parks(
         q = off._queues[("d2h", False)]
         seen: list[int] = []
         done = threading.Event()
-        ts = [off.store([i], [i]) for i in range(40)]
+        ts = [off.store(gpu_blocks=[i], cpu_chunks=[i]) for i in range(40)]
         for t in ts:
             t.add_done_callback(lambda tr: seen.append(tr.job_id))
         ts[-1].add_done_callback(lambda tr: done.set())
@@ -318,7 +319,7 @@ def test_lazy_thread_completes_unpolled_transfers_in_order_and_parks(
             time.sleep(0.005)
         assert q._parked
         late = threading.Event()
-        t = off.store([50], [50])
+        t = off.store(gpu_blocks=[50], cpu_chunks=[50])
         t.add_done_callback(lambda tr: late.set())
         assert late.wait(10) and t.result().success
         assert bytes(off.cpu_tensors[0][50]) == bytes(gpu[0][50])
@@ -334,9 +335,9 @@ async def test_lazy_thread_with_awaiters_and_waiters(monkeypatch: pytest.MonkeyP
     gpu, off = _lazy_offloader(monkeypatch)
     async with off:
         for i in range(30):
-            r = await off.store([i], [i])
+            r = await off.store(gpu_blocks=[i], cpu_chunks=[i])
             assert r.success
-            assert off.load([i], [i + 30]).wait(10).success
+            assert off.load(cpu_chunks=[i], gpu_blocks=[i + 30]).wait(10).success
         for i in range(30):
             for k in range(2):
                 assert bytes(off.cpu_tensors[k][i]) == bytes(gpu[k][i])

@@ -30,26 +30,26 @@ def _setup(bpc: int = 1, groups: int = 1) -> tuple[list[np.ndarray], kv.Offloade
 Call = Callable[[kv.Offloader], Any]
 
 BAD_CALLS: list[tuple[str, Call, str]] = [
-    ("negative gpu id", lambda o: o.store([-1], [0]), "out of range"),
-    ("gpu id too large", lambda o: o.store([BLOCKS], [0]), "out of range"),
-    ("negative cpu id", lambda o: o.load([-2], [0]), "out of range"),
-    ("cpu id too large", lambda o: o.load([CHUNKS], [0]), "out of range"),
-    ("length mismatch", lambda o: o.store([0, 1], [0]), "cpu chunks"),
-    ("group_sizes sum", lambda o: o.store([0, 1], [0, 1], group_sizes=[3]), r"sum\(group_sizes\)"),
-    ("group count", lambda o: o.store([0], [0], group_sizes=[1, 0]), "groups"),
-    ("block_indices count", lambda o: o.store([0], [0], block_indices=[0, 0]), "block_indices"),
-    ("negative group size", lambda o: o.store([0], [0], group_sizes=[-1]), ">= 0"),
-    ("negative block index", lambda o: o.store([0], [0], block_indices=[-1]), ">= 0"),
-    ("duplicate cpu dst", lambda o: o.store([0, 1], [3, 3]), "duplicate destination"),
-    ("duplicate gpu dst", lambda o: o.load([0, 1], [4, 4]), "duplicate destination"),
-    ("float ids", lambda o: o.store([0.5], [0]), "integers"),
-    ("bool ids", lambda o: o.store([True], [0]), "integers"),
-    ("2-D ids", lambda o: o.store([[0]], [[0]]), "1-D"),
-    ("string ids", lambda o: o.store("ab", [0]), "1-D"),
-    ("huge id", lambda o: o.store([2**63 + 5], [0]), "out of range"),
-    ("unknown path", lambda o: o.store([0], [0], path="warp"), "path"),
-    ("bad job id", lambda o: o.store([0], [0], job_id="x"), "job_id"),
-    ("bad compute stream", lambda o: o.store([0], [0], stream=object()), "HostStream"),
+    ("negative gpu id", lambda o: o.store(gpu_blocks=[-1], cpu_chunks=[0]), "out of range"),
+    ("gpu id too large", lambda o: o.store(gpu_blocks=[BLOCKS], cpu_chunks=[0]), "out of range"),
+    ("negative cpu id", lambda o: o.load(cpu_chunks=[-2], gpu_blocks=[0]), "out of range"),
+    ("cpu id too large", lambda o: o.load(cpu_chunks=[CHUNKS], gpu_blocks=[0]), "out of range"),
+    ("length mismatch", lambda o: o.store(gpu_blocks=[0, 1], cpu_chunks=[0]), "cpu chunks"),
+    ("group_sizes sum", lambda o: o.store(gpu_blocks=[0, 1], cpu_chunks=[0, 1], group_sizes=[3]), r"sum\(group_sizes\)"),
+    ("group count", lambda o: o.store(gpu_blocks=[0], cpu_chunks=[0], group_sizes=[1, 0]), "groups"),
+    ("block_indices count", lambda o: o.store(gpu_blocks=[0], cpu_chunks=[0], block_indices=[0, 0]), "block_indices"),
+    ("negative group size", lambda o: o.store(gpu_blocks=[0], cpu_chunks=[0], group_sizes=[-1]), ">= 0"),
+    ("negative block index", lambda o: o.store(gpu_blocks=[0], cpu_chunks=[0], block_indices=[-1]), ">= 0"),
+    ("duplicate cpu dst", lambda o: o.store(gpu_blocks=[0, 1], cpu_chunks=[3, 3]), "duplicate destination"),
+    ("duplicate gpu dst", lambda o: o.load(cpu_chunks=[0, 1], gpu_blocks=[4, 4]), "duplicate destination"),
+    ("float ids", lambda o: o.store(gpu_blocks=[0.5], cpu_chunks=[0]), "integers"),
+    ("bool ids", lambda o: o.store(gpu_blocks=[True], cpu_chunks=[0]), "integers"),
+    ("2-D ids", lambda o: o.store(gpu_blocks=[[0]], cpu_chunks=[[0]]), "1-D"),
+    ("string ids", lambda o: o.store(gpu_blocks="ab", cpu_chunks=[0]), "1-D"),
+    ("huge id", lambda o: o.store(gpu_blocks=[2**63 + 5], cpu_chunks=[0]), "out of range"),
+    ("unknown path", lambda o: o.store(gpu_blocks=[0], cpu_chunks=[0], path="warp"), "path"),
+    ("bad job id", lambda o: o.store(gpu_blocks=[0], cpu_chunks=[0], job_id="x"), "job_id"),
+    ("bad compute stream", lambda o: o.store(gpu_blocks=[0], cpu_chunks=[0], stream=object()), "HostStream"),
 ]
 
 
@@ -62,7 +62,7 @@ def test_bad_input_raises_before_anything_is_enqueued(name: str, call: Call, mat
         call(off)
     assert off._resources()["inflight"] == 0 and all(q.last_transfer is None for q in off._queues.values())
     # the next good transfer gets job id 0: nothing was enqueued
-    assert off.store([0], [0]).wait(5).job_id == 0
+    assert off.store(gpu_blocks=[0], cpu_chunks=[0]).wait(5).job_id == 0
     for i, before in enumerate(cpu_before):  # only chunk 0 (the good store) changed
         np.testing.assert_array_equal(off.cpu_tensors[i][1:], before[1:])
         np.testing.assert_array_equal(off.cpu_tensors[i][0], gpu[i][0])
@@ -86,17 +86,17 @@ def test_destination_bytes_untouched_by_rejected_requests() -> None:
 def test_multi_group_needs_group_sizes_and_checks_chunk_counts() -> None:
     gpu, off = _setup(bpc=2, groups=2)
     with pytest.raises(kv.InvalidTransferError, match="group_sizes is required"):
-        off.store([0, 1], [0])
+        off.store(gpu_blocks=[0, 1], cpu_chunks=[0])
     # group 0: 3 blocks starting at logical 1 -> skip 1 -> 2 chunks; group 1: empty
     with pytest.raises(kv.InvalidTransferError, match=r"need 2 cpu chunks"):
-        off.store([0, 1, 2], [0], group_sizes=[3, 0], block_indices=[1, 0])
-    assert off.store([0, 1, 2], [0, 1], group_sizes=[3, 0], block_indices=[1, 0]).wait(5).success
+        off.store(gpu_blocks=[0, 1, 2], cpu_chunks=[0], group_sizes=[3, 0], block_indices=[1, 0])
+    assert off.store(gpu_blocks=[0, 1, 2], cpu_chunks=[0, 1], group_sizes=[3, 0], block_indices=[1, 0]).wait(5).success
     off.close()
 
 
 def test_empty_transfer_completes_with_zero_bytes() -> None:
     gpu, off = _setup(groups=2)
-    r = off.store([], [], group_sizes=[0, 0]).wait(5)
+    r = off.store(gpu_blocks=[], cpu_chunks=[], group_sizes=[0, 0]).wait(5)
     assert r.success and r.bytes == 0
     off.close()
 
@@ -150,11 +150,11 @@ def test_invalid_transfer_error_is_a_value_error() -> None:
 @pytest.mark.asyncio
 async def test_device_fault_fails_transfer_and_those_behind_it() -> None:
     gpu, off = _setup()
-    ok = off.store([0], [0])
+    ok = off.store(gpu_blocks=[0], cpu_chunks=[0])
     await ok
     bad = submit_raw(off, "d2h", np.array([8], np.uint64), np.array([16], np.uint64),
                      np.array([4], np.uint64))
-    behind = off.store([1], [1])
+    behind = off.store(gpu_blocks=[1], cpu_chunks=[1])
     cpu1 = off.cpu_tensors[0][1].copy()
     with pytest.raises(kv.TransferFailedError, match="illegal address") as info:
         await bad
@@ -165,9 +165,9 @@ async def test_device_fault_fails_transfer_and_those_behind_it() -> None:
     np.testing.assert_array_equal(off.cpu_tensors[0][1], cpu1)  # skipped, not written
     assert off.broken
     with pytest.raises(kv.OffloaderBrokenError):
-        off.store([2], [2])
+        off.store(gpu_blocks=[2], cpu_chunks=[2])
     # the other direction is unaffected
-    assert (await off.load([0], [5])).success
+    assert (await off.load(cpu_chunks=[0], gpu_blocks=[5])).success
     await off.aclose()  # returns
 
 
@@ -175,7 +175,7 @@ async def test_device_fault_fails_transfer_and_those_behind_it() -> None:
 async def test_injected_fault_on_host_backend() -> None:
     gpu, off = _setup()
     off.backend.inject_fault()  # type: ignore[attr-defined]
-    t = off.load([0], [0])
+    t = off.load(cpu_chunks=[0], gpu_blocks=[0])
     with pytest.raises(kv.TransferFailedError, match="injected"):
         await t
     assert isinstance(t.exception(), kv.TransferFailedError)
@@ -202,10 +202,10 @@ def test_layerwise_bad_types_and_path() -> None:
     gpu, off = _setup()
     for bad in ([["a"], [1]], [0, 1]):
         with pytest.raises(kv.InvalidTransferError, match="partition"):
-            off.load_layerwise([0], [0], layers=bad)  # type: ignore[arg-type]
+            off.load_layerwise(cpu_chunks=[0], gpu_blocks=[0], layers=bad)  # type: ignore[arg-type]
     with pytest.raises(kv.InvalidTransferError, match="path"):
-        off.load_layerwise([0], [0], path="warp")
-    assert off.store([0], [0]).wait(5).job_id == 0  # nothing used a job id
+        off.load_layerwise(cpu_chunks=[0], gpu_blocks=[0], path="warp")
+    assert off.store(gpu_blocks=[0], cpu_chunks=[0]).wait(5).job_id == 0  # nothing used a job id
     off.close()
 
 

@@ -20,9 +20,9 @@ async def test_urgent_transfer_passes_a_held_normal_one() -> None:
     gate = threading.Event()
     compute = HostStream(name="held")
     compute.enqueue(gate.wait)
-    big = off.load([0, 1, 2, 3], [0, 1, 2, 3], stream=compute)  # held behind 'compute'
-    normal = off.load([4], [4])  # FIFO: waits for `big`
-    urgent = off.load([5], [5], urgent=True)
+    big = off.load(cpu_chunks=[0, 1, 2, 3], gpu_blocks=[0, 1, 2, 3], stream=compute)  # held behind 'compute'
+    normal = off.load(cpu_chunks=[4], gpu_blocks=[4])  # FIFO: waits for `big`
+    urgent = off.load(cpu_chunks=[5], gpu_blocks=[5], urgent=True)
     r = await asyncio.wait_for(urgent, 5)
     assert r.success and not big.done() and not normal.done()
     gate.set()
@@ -44,7 +44,7 @@ async def test_layerwise_load_signals_each_layer(
     for i, c in enumerate(off.cpu_tensors):
         c[:] = np.random.default_rng(40 + i).integers(0, 256, c.shape, dtype=np.uint8)
     spec = [[2 * i, 2 * i + 1] for i in range(layers)]
-    t = off.load_layerwise([3, 4, 5], [7, 8, 9], layers=spec)
+    t = off.load_layerwise(cpu_chunks=[3, 4, 5], gpu_blocks=[7, 8, 9], layers=spec)
     assert len(t) == layers
     done_order: list[int] = []
     for i, layer in enumerate(t.layers):
@@ -53,6 +53,7 @@ async def test_layerwise_load_signals_each_layer(
     assert first.bytes == 3 * 2 * 256
     t.wait_layer(layers - 1)  # a compute-stream wait on the last layer's event
     total = await t
+    await asyncio.sleep(0)  # callbacks added in a loop run on it: let the last ones run
     assert total.bytes == 3 * 2 * 256 * layers and total.success
     assert done_order == list(range(layers))
     for i in range(2 * layers):
@@ -65,8 +66,8 @@ def test_layerwise_rejects_bad_layer_specs() -> None:
     off = kv.Offloader(kv.KVCacheLayout.from_tensors(gpu), 4, backend="host")
     for bad in ([[0, 1]], [[0, 1], [1, 2]], [[0], [], [1, 2]], [[0, 1, 2, 3]]):
         with pytest.raises(kv.InvalidTransferError, match="partition"):
-            off.load_layerwise([0], [0], layers=bad)
-    assert off.load_layerwise([0], [1]).wait(5).bytes == 3 * 8
+            off.load_layerwise(cpu_chunks=[0], gpu_blocks=[0], layers=bad)
+    assert off.load_layerwise(cpu_chunks=[0], gpu_blocks=[1]).wait(5).bytes == 3 * 8
     off.close()
 
 
@@ -113,8 +114,8 @@ async def test_pieced_transfers_keep_call_order_and_wait_for_compute(
     first, second = rng.permutation(blocks).tolist(), rng.permutation(blocks).tolist()
     chunks = rng.permutation(blocks).tolist()
     counts = dict(getattr(be, "counts", {}))
-    off.store(first, chunks)
-    await off.store(second, chunks)  # same chunks, called later: must win
+    off.store(gpu_blocks=first, cpu_chunks=chunks)
+    await off.store(gpu_blocks=second, cpu_chunks=chunks)  # same chunks, called later: must win
     assert calls == per_call * 2
     expect = mem.to_numpy(gpu[0])[second]
     for i, c in enumerate(chunks):
@@ -126,10 +127,10 @@ async def test_pieced_transfers_keep_call_order_and_wait_for_compute(
 
         torch.cuda._sleep(50_000_000)  # a long kernel, then zeroing, on the compute stream
         gpu[0][first] = 0
-        await off.load(chunks, first)
+        await off.load(cpu_chunks=chunks, gpu_blocks=first)
         torch.cuda.synchronize()
     else:
-        await off.load(chunks, first)
+        await off.load(cpu_chunks=chunks, gpu_blocks=first)
     assert calls == per_call * 3
     np.testing.assert_array_equal(mem.to_numpy(gpu[0])[first], expect)
     await off.aclose()
@@ -151,8 +152,8 @@ async def test_urgent_auto_load_takes_the_kernel_and_passes_queued_batch_dma() -
         kernels, fanned = be.counts["kernel"], be.counts["dma_fanned"]  # type: ignore[attr-defined]
         rng = np.random.default_rng(2)
         g, c = rng.permutation(n), rng.permutation(n)
-        big = off.load(c, g, path="dma")
-        urgent = off.load([n], [n], urgent=True)
+        big = off.load(cpu_chunks=c, gpu_blocks=g, path="dma")
+        urgent = off.load(cpu_chunks=[n], gpu_blocks=[n], urgent=True)
         await urgent
         assert not big.done()  # it passed 512 MiB (~11 ms of link) still in flight
         assert be.counts["kernel"] == kernels + 1  # type: ignore[attr-defined]
@@ -163,7 +164,7 @@ async def test_urgent_auto_load_takes_the_kernel_and_passes_queued_batch_dma() -
         for k in (0, n // 2, n - 1):
             assert np.array_equal(gpu[int(g[k])].cpu().numpy(), host[int(c[k])])
         # an explicit path is kept
-        off.load([n], [n], urgent=True, path="dma").wait(10)
+        off.load(cpu_chunks=[n], gpu_blocks=[n], urgent=True, path="dma").wait(10)
         assert be.counts["kernel"] == kernels + 1  # type: ignore[attr-defined]
     del gpu
     torch.cuda.empty_cache()
@@ -183,13 +184,13 @@ def test_auto_sends_big_pages_to_dma_while_the_other_direction_is_busy(
     gpu = torch.randint(0, 256, (2 * n, page), dtype=torch.uint8, device="cuda")
     with kv.Offloader(kv.KVCacheLayout.from_tensors([gpu]), 2 * n) as off:
         be = off.backend
-        off.store(list(range(n)), list(range(n))).wait(30)  # calibrates "auto"
+        off.store(gpu_blocks=list(range(n)), cpu_chunks=list(range(n))).wait(30)  # calibrates "auto"
         # the calibrated choice is the kernel everywhere, so only the rule can pick DMA
         monkeypatch.setattr(be.calibration(), "choose", lambda *a: "kernel")  # type: ignore[attr-defined]
         torch.cuda._sleep(100_000_000)  # holds both transfers behind the compute stream
-        store = off.store(list(range(n)), list(range(n)))
+        store = off.store(gpu_blocks=list(range(n)), cpu_chunks=list(range(n)))
         before = dict(be.counts)  # type: ignore[attr-defined]
-        load = off.load(list(range(n)), list(range(n, 2 * n)))  # only the load counts now
+        load = off.load(cpu_chunks=list(range(n)), gpu_blocks=list(range(n, 2 * n)))  # only the load counts now
         assert not store.done()
         counts = be.counts  # type: ignore[attr-defined]
         went = {p for p in ("dma", "kernel") if counts[p] > before[p]}
@@ -212,7 +213,7 @@ def test_both_ways_is_remembered_for_a_while(monkeypatch: pytest.MonkeyPatch) ->
         compute = HostStream(name="held")
         compute.enqueue(gate.wait)
         assert not off._both_ways("d2h")  # nothing seen yet
-        store = off.store([0], [0], stream=compute)
+        store = off.store(gpu_blocks=[0], cpu_chunks=[0], stream=compute)
         assert off._both_ways("h2d")  # the store is in flight
         gate.set()
         store.wait(10)

@@ -127,13 +127,13 @@ async def test_every_topology_pair_in_one_process(
             woffs = [_canonical_rank(wr[r], shard(writers, r), mapping(writers, r))
                      for r in range(writers)]
             for off in woffs:
-                await off.store(list(range(blocks)), list(range(blocks)))
+                await off.store(gpu_blocks=list(range(blocks)), cpu_chunks=list(range(blocks)))
             np.testing.assert_array_equal(rd[0].raw_view()[:, : 2 * bs * heads * hb],
                                           encode(full))
             for r in range(readers):
                 gpu = np.zeros_like(shard(readers, r))
                 off = _canonical_rank(rd[r], gpu, mapping(readers, r))
-                await off.load(list(range(blocks))[::-1], list(range(blocks)))
+                await off.load(cpu_chunks=list(range(blocks))[::-1], gpu_blocks=list(range(blocks)))
                 np.testing.assert_array_equal(gpu, shard(readers, r)[::-1])
                 await off.aclose()
             for off in woffs:
@@ -161,7 +161,7 @@ def test_mla_host_memory_is_one_copy_not_n(names: Names) -> None:
                 offs.append(kv.Offloader(layout, blocks, 1, backend="host",
                                          host_region=regions[r]))
         for off in offs:
-            await off.store(list(range(blocks)), list(range(blocks)))
+            await off.store(gpu_blocks=list(range(blocks)), cpu_chunks=list(range(blocks)))
         used = regions[0].allocated_bytes
         for off in offs:
             await off.aclose()

@@ -28,6 +28,7 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+@pytest.mark.slow  # ~100 s: CI runs it as its own step (`pytest -m slow`)
 @pytest.mark.parametrize(
     "backend_path",
     [pytest.param(("host", "auto", 1.0), id="host"),
@@ -106,9 +107,9 @@ def _soak(off: kv.Offloader, backend: str, path: str, gpu: list[Any], mem: Mem,
         if any(blocks_touched & b or chunks_touched & c for _, b, c in pending[other]):
             drain(other)
         if store:
-            t = off.store(g_ids, c_ids, gsizes, bidx)
+            t = off.store(gpu_blocks=g_ids, cpu_chunks=c_ids, group_sizes=gsizes, block_indices=bidx)
         else:
-            t = off.load(c_ids, g_ids, gsizes, bidx)
+            t = off.load(cpu_chunks=c_ids, gpu_blocks=g_ids, group_sizes=gsizes, block_indices=bidx)
         d = "d2h" if store else "h2d"
         pending[d].append((t, blocks_touched, chunks_touched))
         for g, (ids, slots) in enumerate(per_group):
@@ -151,7 +152,7 @@ def _soak(off: kv.Offloader, backend: str, path: str, gpu: list[Any], mem: Mem,
 async def test_ten_thousand_in_flight_resolve_in_order() -> None:
     gpu = [np.random.default_rng(3).integers(0, 256, (64, 64), dtype=np.uint8)]
     off = kv.Offloader(kv.KVCacheLayout.from_tensors(gpu), 64, backend="host")
-    ts = [off.store([i % 64], [(i * 7) % 64]) for i in range(10_000)]
+    ts = [off.store(gpu_blocks=[i % 64], cpu_chunks=[(i * 7) % 64]) for i in range(10_000)]
     out_of_order: list[int] = []
 
     def check(tr: kv.Transfer) -> None:  # when a transfer completes, its predecessor has

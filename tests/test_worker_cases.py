@@ -55,9 +55,9 @@ async def test_transfer(
 
     t0 = time.perf_counter()
     if direction == "store":
-        t = off.store(gpu_ids, chunks, group_sizes=[len(gpu_ids)], block_indices=[bpc - 1])
+        t = off.store(gpu_blocks=gpu_ids, cpu_chunks=chunks, group_sizes=[len(gpu_ids)], block_indices=[bpc - 1])
     else:
-        t = off.load(chunks, gpu_ids, group_sizes=[len(gpu_ids)], block_indices=[bpc - 1])
+        t = off.load(cpu_chunks=chunks, gpu_blocks=gpu_ids, group_sizes=[len(gpu_ids)], block_indices=[bpc - 1])
     assert t.job_id == 0 and t.direction == ("d2h" if direction == "store" else "h2d")
     r = await t
     wall = time.perf_counter() - t0
@@ -115,9 +115,9 @@ async def test_transfer_multi_group(
     gpu_before = [mem.to_numpy(t) for t in gpu]
     cpu_before = [c.copy() for c in off.cpu_tensors]
     if direction == "store":
-        t = off.store(gpu_ids_all, all_chunks, group_sizes, block_indices)
+        t = off.store(gpu_blocks=gpu_ids_all, cpu_chunks=all_chunks, group_sizes=group_sizes, block_indices=block_indices)
     else:
-        t = off.load(all_chunks, gpu_ids_all, group_sizes, block_indices)
+        t = off.load(cpu_chunks=all_chunks, gpu_blocks=gpu_ids_all, group_sizes=group_sizes, block_indices=block_indices)
     r = await t
     assert r.success and r.bytes == sum(group_sizes) * 2 * page
     for g in range(3):
@@ -240,7 +240,7 @@ async def test_canonical_round_trip_assembles_page_across_ranks(
                            host_region=region)
         ranks.append((gpu, mapping, off))
     for gpu, _, off in ranks:
-        await off.store([0, 1, 2, 3], [0, 1, 2, 3])
+        await off.store(gpu_blocks=[0, 1, 2, 3], cpu_chunks=[0, 1, 2, 3])
     expected = np.zeros((4, 2048), dtype=np.uint8)
     for gpu, mapping, _ in ranks:
         g = mem.to_numpy(gpu)
@@ -250,7 +250,7 @@ async def test_canonical_round_trip_assembles_page_across_ranks(
     np.testing.assert_array_equal(host, expected)
     gpu0, _, off0 = ranks[0]
     before = mem.to_numpy(gpu0)
-    await off0.load([3, 2, 1, 0], [0, 1, 2, 3])
+    await off0.load(cpu_chunks=[3, 2, 1, 0], gpu_blocks=[0, 1, 2, 3])
     np.testing.assert_array_equal(mem.to_numpy(gpu0), before[::-1])
     for _, _, off in ranks:
         await off.aclose()

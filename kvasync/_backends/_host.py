@@ -175,6 +175,8 @@ class HostBackend(Backend):
         self.staging_bytes = self.STAGING_BYTES
         self._rings: dict[str, _HostRing] = {}
         self._ring_lock = threading.Lock()
+        #: how many transfers each concrete path ran (for tests and the benchmark)
+        self.counts: dict[str, int] = {"memmove": 0, "staged": 0}
 
     # -- memory ------------------------------------------------------------------------------
     def check_device_array(self, info: ArrayInfo, what: str) -> None:
@@ -284,6 +286,7 @@ class HostBackend(Backend):
             stream.enqueue(self._execute_staged, plan, self._ring(direction), fault)
         else:
             stream.enqueue(self._execute, plan, fault)
+        self.counts["staged" if path == "staged" else "memmove"] += 1
 
     def _execute_staged(self, plan: TransferPlan, ring: _HostRing,
                         fault: BaseException | None) -> None:

@@ -156,8 +156,8 @@ class CPUOffloadingWorker:
         """Asynchronous GPU -> CPU copy of `src_spec`'s blocks into `dst_spec`'s chunks."""
         self._check_new(job_id)
         t = self.offloader.store(
-            src_spec.block_ids, dst_spec.block_ids, src_spec.group_sizes,
-            src_spec.block_indices, job_id=job_id,
+            gpu_blocks=src_spec.block_ids, cpu_chunks=dst_spec.block_ids,
+            group_sizes=src_spec.group_sizes, block_indices=src_spec.block_indices, job_id=job_id,
         )
         return self._track(t)
 
@@ -167,8 +167,8 @@ class CPUOffloadingWorker:
         """Asynchronous CPU -> GPU copy of `src_spec`'s chunks into `dst_spec`'s blocks."""
         self._check_new(job_id)
         t = self.offloader.load(
-            src_spec.block_ids, dst_spec.block_ids, dst_spec.group_sizes,
-            dst_spec.block_indices, job_id=job_id,
+            cpu_chunks=src_spec.block_ids, gpu_blocks=dst_spec.block_ids,
+            group_sizes=dst_spec.group_sizes, block_indices=dst_spec.block_indices, job_id=job_id,
         )
         return self._track(t)
 

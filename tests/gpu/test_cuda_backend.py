@@ -197,7 +197,7 @@ async def test_unpinnable_host_memory_falls_back_to_dma(cp: Any,
     off = kv.Offloader(layout, 16, backend=backend, copy_path="kernel")
     assert not off.host_pinned
     assert "could not pin" in caplog.text
-    await off.store(list(range(16)), list(range(16))[::-1])
+    await off.store(gpu_blocks=list(range(16)), cpu_chunks=list(range(16))[::-1])
     np.testing.assert_array_equal(off.cpu_tensors[0][::-1], gpu.get())
     assert backend.counts["kernel"] == 0 and backend.counts["dma"] == 1
     await off.aclose()
@@ -219,7 +219,7 @@ async def test_kernel_refuses_a_host_region_that_only_claims_to_be_pinned(cp: An
     gpu = cp.asarray(np.random.default_rng(1).integers(0, 256, (8, 4096), dtype=np.uint8))
     off = kv.Offloader(kv.KVCacheLayout.from_tensors([gpu]), 8, backend="cuda",
                        copy_path="kernel", host_region=LyingRegion())
-    await off.store(list(range(8)), list(range(8)))
+    await off.store(gpu_blocks=list(range(8)), cpu_chunks=list(range(8)))
     np.testing.assert_array_equal(host, gpu.get())
     assert off.backend.counts["kernel"] == 0  # type: ignore[attr-defined]
     await off.aclose()
@@ -272,12 +272,12 @@ def test_device_fault_fails_the_transfer_and_aclose_returns() -> None:
         off = kv.Offloader(kv.KVCacheLayout.from_tensors([x]), 8, backend="cuda",
                            copy_path="kernel")
         async def main():
-            print("OK", (await off.store([0], [0])).success)
+            print("OK", (await off.store(gpu_blocks=[0], cpu_chunks=[0])).success)
             host = off.cpu_tensors[0]
             bad = submit_raw(off, "h2d", np.asarray([host.ctypes.data], np.uint64),
                              np.asarray([int(x.data.ptr) + (1 << 40)], np.uint64),
                              np.asarray([4096], np.uint64), path="kernel")
-            behind = off.load([0], [1])
+            behind = off.load(cpu_chunks=[0], gpu_blocks=[1])
             for name, t in (("BAD", bad), ("BEHIND", behind)):
                 try:
                     await asyncio.wait_for(_w(t), 60)
@@ -319,11 +319,11 @@ def test_kernel_launch_direct_and_through_cupy_copy_the_same_bytes(direct: bool)
         assert kernels.direct, kernels.direct_error  # the driver call is available
         kernels.direct = direct
         ids = list(range(0, 64, 3))
-        off.store(ids, ids, path="kernel").wait(30)
+        off.store(gpu_blocks=ids, cpu_chunks=ids, path="kernel").wait(30)
         before = [t.clone() for t in layout_t]
         for t in layout_t:
             t.zero_()
-        off.load(ids, ids, path="kernel").wait(30)
+        off.load(cpu_chunks=ids, gpu_blocks=ids, path="kernel").wait(30)
         torch.cuda.synchronize()
         for a, b in zip(before, layout_t):
             assert torch.equal(a[ids].cpu(), b[ids].cpu())
@@ -340,7 +340,7 @@ def test_small_dma_plans_use_plain_copies_and_stay_exact() -> None:
         be = off.backend
         for ids in ([5], [1, 2, 3], list(range(0, 40, 2))):
             each, batch = be.counts["dma_each"], be.counts["dma_batch"]  # type: ignore[attr-defined]
-            off.store(ids, ids, path="dma").wait(30)
+            off.store(gpu_blocks=ids, cpu_chunks=ids, path="dma").wait(30)
             host = off.cpu_tensors[0]
             for i in ids:
                 assert bytes(host[i]) == bytes(t[i].cpu().numpy())
@@ -367,8 +367,8 @@ def test_big_dma_batches_fan_out_over_helper_streams_and_keep_order() -> None:
         first, second = rng.permutation(64)[:32].tolist(), rng.permutation(64)[:32].tolist()
         chunks = rng.permutation(64)[:32].tolist()
         fanned = be.counts["dma_fanned"]  # type: ignore[attr-defined]
-        off.store(first, chunks, path="dma")
-        last = off.store(second, chunks, path="dma")  # same chunks: must win
+        off.store(gpu_blocks=first, cpu_chunks=chunks, path="dma")
+        last = off.store(gpu_blocks=second, cpu_chunks=chunks, path="dma")  # same chunks: must win
         last.wait(30)
         assert be.counts["dma_fanned"] == fanned + 2  # type: ignore[attr-defined]
         host = off.cpu_tensors[0]
@@ -379,7 +379,7 @@ def test_big_dma_batches_fan_out_over_helper_streams_and_keep_order() -> None:
         # compute stream; the load (submitted after) must land on top of the zeros
         torch.cuda._sleep(50_000_000)
         t[first] = 0  # index_put_ on the compute stream
-        off.load(chunks, first, path="dma").wait(30)
+        off.load(cpu_chunks=chunks, gpu_blocks=first, path="dma").wait(30)
         torch.cuda.synchronize()
         assert torch.equal(t[first].cpu(), torch.from_numpy(expect))
         assert be.counts["dma_fanned"] == fanned + 3  # type: ignore[attr-defined]

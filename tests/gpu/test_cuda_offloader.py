@@ -98,9 +98,9 @@ async def test_random_requests_match_the_host_backend(path: str, canonical: bool
     for kind, blocks, chunks, sizes, starts in _requests(7, 30, bpc):
         for o in (off, ref):
             if kind == "store":
-                t = o.store(blocks, chunks, sizes, starts)
+                t = o.store(gpu_blocks=blocks, cpu_chunks=chunks, group_sizes=sizes, block_indices=starts)
             else:
-                t = o.load(chunks, blocks, sizes, starts)
+                t = o.load(cpu_chunks=chunks, gpu_blocks=blocks, group_sizes=sizes, block_indices=starts)
             r = await t
             assert r.success
     for i in range(3):
@@ -128,7 +128,7 @@ async def test_load_waits_for_pending_compute_stream_writes(path: str) -> None:
         torch.cuda.synchronize()
         torch.cuda._sleep(50_000_000)
         gpu[:32].zero_()
-        r = await off.load(list(range(32)), list(range(32)))
+        r = await off.load(cpu_chunks=list(range(32)), gpu_blocks=list(range(32)))
         assert r.success
         torch.cuda.synchronize()
         assert bool((gpu[:32] == 0x5A).all())
@@ -148,7 +148,7 @@ async def test_store_waits_for_writes_on_an_override_stream(path: str) -> None:
     with torch.cuda.stream(side):
         torch.cuda._sleep(50_000_000)
         gpu.fill_(7)
-    await off.store(list(range(16)), list(range(16)))
+    await off.store(gpu_blocks=list(range(16)), cpu_chunks=list(range(16)))
     assert (off.cpu_tensors[0] == 7).all()
     await off.aclose()
 
@@ -169,12 +169,12 @@ async def test_bf16_round_trip_32_layers(path: str) -> None:
     src_blocks = rng.choice(blocks, 40, replace=False).tolist()
     cpu = rng.choice(chunks, 40, replace=False).tolist()
     before = [t.clone() for t in layers]
-    r = await off.store(src_blocks, cpu)
+    r = await off.store(gpu_blocks=src_blocks, cpu_chunks=cpu)
     assert r.success and r.bytes == 40 * 64 * 16 * 8 * 128 * 2
     for t in layers:
         t.normal_()
     dst_blocks = rng.choice(blocks, 40, replace=False).tolist()
-    r = await off.load(cpu, dst_blocks)
+    r = await off.load(cpu_chunks=cpu, gpu_blocks=dst_blocks)
     assert r.success and r.seconds > 0
     torch.cuda.synchronize()
     for b, a in zip(before, layers):
@@ -205,7 +205,7 @@ async def test_transfer_awaited_while_another_task_keeps_running(path: str) -> N
     await asyncio.sleep(0)
     perm = np.random.default_rng(0).permutation(n).tolist()
     for _ in range(3):
-        t = off.store(list(range(n)), perm)
+        t = off.store(gpu_blocks=list(range(n)), cpu_chunks=perm)
         before = ticks
         r = await t
         assert r.success and r.bytes == n * page
@@ -221,14 +221,14 @@ async def test_many_transfers_complete_in_order_both_directions() -> None:
     torch = _torch()
     gpu = torch.randint(0, 255, (256, 4096), dtype=torch.uint8, device="cuda")
     off = kv.Offloader(kv.KVCacheLayout.from_tensors([gpu]), 256, backend="cuda")
-    stores = [off.store([i], [i]) for i in range(256)]
+    stores = [off.store(gpu_blocks=[i], cpu_chunks=[i]) for i in range(256)]
     done: list[int] = []
     for t in stores:
         t.add_done_callback(lambda tr: done.append(tr.job_id))
     results = await asyncio.gather(*stores)
     assert [r.job_id for r in results] == [t.job_id for t in stores]
     assert done == sorted(done)
-    loads = [off.load([i], [255 - i]) for i in range(256)]
+    loads = [off.load(cpu_chunks=[i], gpu_blocks=[255 - i]) for i in range(256)]
     await asyncio.gather(*loads)
     got = _np(gpu)
     np.testing.assert_array_equal(got[::-1], off.cpu_tensors[0])
@@ -246,7 +246,7 @@ async def test_short_transfers_are_polled_by_the_awaiting_task(path: str) -> Non
     async with kv.Offloader(kv.KVCacheLayout.from_tensors([t]), 64) as off:
         assert off._queues[("h2d", False)].spin_await
         for i in range(50):
-            r = await off.store([i], [i], path=path)
+            r = await off.store(gpu_blocks=[i], cpu_chunks=[i], path=path)
             assert r.success
         assert off._resources()["resolver_tasks"] == 0
         host = off.cpu_tensors[0]
@@ -254,7 +254,7 @@ async def test_short_transfers_are_polled_by_the_awaiting_task(path: str) -> Non
         side = torch.cuda.Stream()
         with torch.cuda.stream(side):
             torch.cuda._sleep(100_000_000)  # ~50 ms on the compute stream
-        held = off.load([3], [60], stream=side, path=path)
+        held = off.load(cpu_chunks=[3], gpu_blocks=[60], stream=side, path=path)
         assert (await held).success
         assert off._resources()["resolver_tasks"] == 1
         assert np.array_equal(_np(t)[60], host[3])
@@ -270,7 +270,7 @@ def test_caller_may_reuse_its_id_arrays_once_store_returns(path: str) -> None:
         g = rng.permutation(4096)[:3000].astype(np.int64)  # large: the numpy path
         c = rng.permutation(4096)[:3000].astype(np.int64)
         want_g, want_c = g.copy(), c.copy()
-        tr = off.store(g, c, path=path)
+        tr = off.store(gpu_blocks=g, cpu_chunks=c, path=path)
         g[:] = 0
         c[:] = np.arange(3000)
         tr.wait(60)
@@ -290,7 +290,7 @@ async def test_both_completion_threads_resolve_awaits_and_waits_in_order(
     with kv.Offloader(kv.KVCacheLayout.from_tensors([t]), 256) as off:
         assert off._queues[("d2h", False)].lazy is lazy
         done: list[int] = []
-        trs = [off.store([i], [i]) for i in range(200)]
+        trs = [off.store(gpu_blocks=[i], cpu_chunks=[i]) for i in range(200)]
         for i, tr in enumerate(trs):
             tr.add_done_callback(lambda _t, i=i: done.append(i))
         # the newest first: once it is done, every older one must be (in-order completion)
@@ -328,11 +328,11 @@ def test_wait_polls_near_the_predicted_end_then_falls_back_to_the_thread(
             return real_poll()
 
         q.poll = counting_poll  # type: ignore[method-assign]
-        off.store([1], [1], path=path).wait(30)
+        off.store(gpu_blocks=[1], cpu_chunks=[1], path=path).wait(30)
         side = torch.cuda.Stream()
         with torch.cuda.stream(side):
             torch.cuda._sleep(100_000_000)
-        held = off.load([1], [40], stream=side, path=path)
+        held = off.load(cpu_chunks=[1], gpu_blocks=[40], stream=side, path=path)
         held._eta = 0.0  # "predicted to have ended already": poll for the grace, then sleep
         with pytest.raises(TimeoutError):
             held.wait(0.001)

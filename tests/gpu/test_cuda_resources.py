@@ -25,8 +25,8 @@ async def test_aclose_releases_every_resource(cp: Any, path: str) -> None:
                        copy_path=path)
     host_ptr = int(off.cpu_tensors[0].ctypes.data)
     assert off.host_pinned and _cudart.is_registered(host_ptr)
-    ts = [off.store([i], [63 - i]) for i in range(64)]
-    ts += [off.load([i], [i]) for i in range(32)]
+    ts = [off.store(gpu_blocks=[i], cpu_chunks=[63 - i]) for i in range(64)]
+    ts += [off.load(cpu_chunks=[i], gpu_blocks=[i]) for i in range(32)]
     await asyncio.gather(*ts)
     backend: Any = off.backend
     assert off._resources()["completion_threads"] == 2
@@ -41,7 +41,7 @@ async def test_aclose_releases_every_resource(cp: Any, path: str) -> None:
     assert threading.active_count() <= threads_before
     await off.aclose()  # twice: a no-op
     with pytest.raises(kv.OffloaderClosedError):
-        off.load([0], [0])
+        off.load(cpu_chunks=[0], gpu_blocks=[0])
 
 
 def test_repeated_offloaders_do_not_leak_pinned_memory(cp: Any) -> None:
@@ -51,6 +51,6 @@ def test_repeated_offloaders_do_not_leak_pinned_memory(cp: Any) -> None:
     for _ in range(20):
         off = kv.Offloader(kv.KVCacheLayout.from_tensors([gpu]), 256, backend="cuda")
         ptrs.append(int(off.cpu_tensors[0].ctypes.data))
-        off.store(list(range(8)), list(range(8))).wait(30)
+        off.store(gpu_blocks=list(range(8)), cpu_chunks=list(range(8))).wait(30)
         off.close()
     assert not any(_cudart.is_registered(p) for p in ptrs)
