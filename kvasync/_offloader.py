@@ -288,9 +288,9 @@ class Offloader:
 
     @property
     def staging_bytes(self) -> int:
-        """Staging memory per direction of the "staged" copy path (two buffers of half
-        each; on CUDA in device memory, allocated at the path's first use); 0 where the
-        backend has no staged path."""
+        """Staging memory per direction of the "staged" copy path (split into buffers used
+        round-robin, one slab each: four on CUDA, in device memory allocated at the path's
+        first use; two on the host backend); 0 where the backend has no staged path."""
         return int(getattr(self.backend, "staging_bytes", 0))
 
     @property

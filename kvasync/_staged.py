@@ -375,9 +375,15 @@ def build_staged(plan: TransferPlan, gpu_to_cpu: bool, slab_bytes: int) -> Stage
         so, hp = np.concatenate(so_l), np.concatenate(hp_l)
         sz, slab_ix = np.concatenate(sz_l).astype(U64), np.concatenate(sl_l)
     slabs: list[Slab] = []
+    if nslabs > 1:  # runs grouped by slab once (stable: a slab keeps its order)
+        by_slab = np.argsort(slab_ix, kind="stable")
+        so, hp, sz = so[by_slab], hp[by_slab], sz[by_slab]
+        cuts: list[int] = np.searchsorted(slab_ix[by_slab], np.arange(nslabs + 1)).tolist()
+    else:
+        cuts = [0, len(sz)]
     for k in range(nslabs):
-        pick: Any = np.flatnonzero(slab_ix == k) if nslabs > 1 else slice(None)
-        r_so, r_hp, r_sz = _coalesce_runs(so[pick], hp[pick], sz[pick])
+        lo, hi = cuts[k], cuts[k + 1]
+        r_so, r_hp, r_sz = _coalesce_runs(so[lo:hi], hp[lo:hi], sz[lo:hi])
         # stores write each host byte once; a load may read one chunk into several blocks
         moved = int(r_sz.sum())
         assert moved == kbytes[k] if gpu_to_cpu else moved <= kbytes[k]

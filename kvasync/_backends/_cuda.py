@@ -434,8 +434,10 @@ class CudaBackend(Backend):
 
     name = "cuda"
     paths = ("auto", "kernel", "dma", "staged")
-    #: device staging bytes per direction of the "staged" path (two buffers of half each)
+    #: device staging bytes per direction of the "staged" path, in `STAGING_BUFFERS`
+    #: buffers used round-robin (one slab each)
     STAGING_BYTES = 64 << 20
+    STAGING_BUFFERS = 4
     #: "auto" sends transfers of at least this many bytes to "staged" (when the plan can be
     #: staged, the lane is not urgent and the plan is not one layer of a layer-wise load);
     #: 0 turns staged off under "auto". Below it, a transfer's fixed host cost (program,
@@ -888,7 +890,8 @@ class CudaBackend(Backend):
         with self._ring_lock:
             ring = self._rings.get(direction)
             if ring is None:
-                ring = StagingRing(self, max(int(self.staging_bytes) // 2, 1))
+                n = max(int(self.STAGING_BUFFERS), 2)
+                ring = StagingRing(self, max(int(self.staging_bytes) // n, 1), n)
                 self._rings[direction] = ring
             return ring
 

@@ -44,25 +44,27 @@ _H2D = 1  # cudaMemcpyHostToDevice
 
 
 class StagingRing:
-    """Two device staging buffers of one direction, a helper stream for its DMA, and per
-    buffer a `ready` event (packed, or landed) and a `free` event (its last reader done).
+    """The device staging buffers of one direction (used round-robin), a helper stream for
+    its DMA, and per buffer a `ready` event (packed, or landed) and a `free` event (its last
+    reader done). More than two buffers let the copy engines run ahead of a pack or unpack
+    that a busy GPU schedules late (a model's kernels hold the SMs).
 
     Owned by the backend; the buffers are freed when the ring is collected (in-flight
     transfers hold it through their plan's keepalive).
     """
 
-    def __init__(self, backend: CudaBackend, slab_bytes: int) -> None:
+    def __init__(self, backend: CudaBackend, slab_bytes: int, count: int = 2) -> None:
         cp = cupy()
         self.slab_bytes = int(slab_bytes)
         with cp.cuda.Device(backend.device_id):
-            self.buffers = [cp.cuda.alloc(self.slab_bytes) for _ in range(2)]
+            self.buffers = [cp.cuda.alloc(self.slab_bytes) for _ in range(count)]
         self.ptrs = [int(b.ptr) for b in self.buffers]
         helper = backend.new_stream()
         self.helper: CudaStream = helper  # type: ignore[assignment]
         self.ready: list[CudaEvent] = [backend.new_event(timing=False)  # type: ignore[misc]
-                                       for _ in range(2)]
+                                       for _ in range(count)]
         self.free: list[CudaEvent] = [backend.new_event(timing=False)  # type: ignore[misc]
-                                      for _ in range(2)]
+                                      for _ in range(count)]
         self.next = 0
         #: one transfer at a time enqueues on the ring (lanes may submit concurrently)
         self.lock = threading.Lock()
@@ -87,13 +89,14 @@ def enqueue_staged(backend: CudaBackend, ring: StagingRing, stream: CudaStream,
     keep = plan.keepalive
     keep.append(ring)
     with ring.lock:
+        nbuf = len(ring.ptrs)
         first = ring.next
-        entries = [backend._table_entry(
+        order = [(first + k) % nbuf for k in range(len(program.slabs))]
+        entries = {b: backend._table_entry(
             staging_table(plan.table, program.rows, store, ring.ptrs[b], program.rows_per_slab),
-            stream, keep) for b in ((first, 1 - first) if len(program.slabs) > 1 else (first,))]
-        jobs = [pack_job(slab.segments, entries[k % len(entries)].packed.pieces, None,
-                         entries[k % len(entries)].pieces)
-                for k, slab in enumerate(program.slabs)]
+            stream, keep) for b in dict.fromkeys(order)}
+        jobs = [pack_job(slab.segments, entries[b].packed.pieces, None, entries[b].pieces)
+                for b, slab in zip(order, program.slabs)]
         offsets = [0]
         for job in jobs:
             offsets.append(offsets[-1] + len(job.words))
@@ -109,11 +112,10 @@ def enqueue_staged(backend: CudaBackend, ring: StagingRing, stream: CudaStream,
             helper.wait_event(fork)
             keep.append(fork)
         last = first
-        for k, slab in enumerate(program.slabs):
-            b = ring.next
-            ring.next = 1 - b
+        ring.next = (first + len(program.slabs)) % nbuf
+        for k, (b, slab) in enumerate(zip(order, program.slabs)):
             last = b
-            entry = entries[k % len(entries)]
+            entry = entries[b]
             job_addr = st.dev_ptr + offsets[k] * 8
             src, dst, sizes = slab_descriptors(program, slab, ring.ptrs[b])
             if store:
