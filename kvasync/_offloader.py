@@ -11,16 +11,16 @@ queue is touched, so a bad call raises and leaves no trace.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
-from typing import Any, TypeVar, cast
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
+from ._arguments import chunks_for, ids_by_keyword
 from ._arrays import array_info
 from ._backends import Backend, Direction, HostMemory, Stream, load_backend
 from ._completion import CompletionEngine
@@ -49,31 +49,6 @@ log = logging.getLogger("kvasync")
 
 Ids = Sequence[int] | np.ndarray
 
-_Method = TypeVar("_Method", bound=Callable[..., Any])
-
-
-def _ids_by_keyword(example: str) -> Callable[[_Method], _Method]:
-    """Refuse positional ids with a TypeError that shows the keyword call.
-
-    `store` takes GPU blocks then CPU chunks and `load` the reverse, so positional ids
-    meant for the other call would copy the wrong blocks without any error.
-    """
-
-    def decorate(method: _Method) -> _Method:
-        @functools.wraps(method)
-        def checked(self: Offloader, *args: Any, **kwargs: Any) -> Any:
-            if args:
-                raise TypeError(
-                    f"Offloader.{method.__name__}() takes its ids by keyword only: {example} "
-                    f"(got {len(args)} positional argument{'s' if len(args) > 1 else ''})"
-                )
-            return method(self, **kwargs)
-
-        return cast(_Method, checked)
-
-    return decorate
-
-
 def _pick_backend(name: str, layout: KVCacheLayout) -> str:
     if name != "auto":
         return name
@@ -90,23 +65,6 @@ def _pick_backend(name: str, layout: KVCacheLayout) -> str:
         "the KV tensors are CUDA tensors but CuPy cannot use the GPU; install "
         "kvasync[cuda12] or kvasync[cuda13]"
     )
-
-
-def _chunks_for(
-    num_cpu_chunks: int | None, cpu_bytes: int | None, pages: list[int], blocks_per_chunk: int
-) -> int:
-    """Chunks per tensor: `num_cpu_chunks`, or as many whole chunks as `cpu_bytes` holds."""
-    if num_cpu_chunks is not None:
-        return int(num_cpu_chunks)
-    assert cpu_bytes is not None
-    per_chunk = sum(pages) * blocks_per_chunk  # one chunk of every tensor
-    chunks = int(cpu_bytes) // per_chunk
-    if chunks < 1:
-        raise InvalidTransferError(
-            f"cpu_bytes={cpu_bytes} holds no whole chunk: one chunk of the {len(pages)} KV "
-            f"tensors ({blocks_per_chunk} block(s) each) takes {per_chunk} B"
-        )
-    return chunks
 
 
 class Offloader:
@@ -168,7 +126,7 @@ class Offloader:
         self.blocks_per_chunk = int(blocks_per_chunk)
         self.canonical = bool(canonical)
         canon_sizes = layout.canonical_bytes_per_block() if self.canonical else None
-        self.num_cpu_chunks = _chunks_for(
+        self.num_cpu_chunks = chunks_for(
             num_cpu_chunks, cpu_bytes,
             canon_sizes if canon_sizes is not None else [t.page for t in layout.tensors],
             self.blocks_per_chunk,
@@ -307,7 +265,7 @@ class Offloader:
         """True once a transfer failed; the failed direction refuses new transfers."""
         return any(q.failure is not None for q in self._queues.values())
 
-    @_ids_by_keyword("store(gpu_blocks=[...], cpu_chunks=[...])")
+    @ids_by_keyword("store(gpu_blocks=[...], cpu_chunks=[...])")
     def store(
         self,
         *,
@@ -332,7 +290,7 @@ class Offloader:
         return self._submit("d2h", gpu_blocks, cpu_chunks, group_sizes, block_indices,
                             job_id, stream, path, urgent)
 
-    @_ids_by_keyword("load(cpu_chunks=[...], gpu_blocks=[...])")
+    @ids_by_keyword("load(cpu_chunks=[...], gpu_blocks=[...])")
     def load(
         self,
         *,
@@ -352,7 +310,7 @@ class Offloader:
         return self._submit("h2d", gpu_blocks, cpu_chunks, group_sizes, block_indices,
                             job_id, stream, path, urgent)
 
-    @_ids_by_keyword("load_layerwise(cpu_chunks=[...], gpu_blocks=[...])")
+    @ids_by_keyword("load_layerwise(cpu_chunks=[...], gpu_blocks=[...])")
     def load_layerwise(
         self,
         *,

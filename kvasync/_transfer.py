@@ -9,7 +9,7 @@ It also has the methods of an asyncio future that a multi-loop object can honour
 `get_loop()` answers the caller's running loop, and a done-callback added inside a loop
 runs on that loop, scheduled by the loop's resolver task (what `asyncio.wait` needs). A
 submitted copy cannot be recalled: `cancel()` returns False, and `asyncio.isfuture()` is
-False on purpose (see `_FutureMethods`), so asyncio wraps a transfer in a task wherever it
+False on purpose (see `FutureMethods`), so asyncio wraps a transfer in a task wherever it
 stops waiting by cancelling.
 """
 
@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._completion import SPIN_GRACE, SPIN_WINDOW
 from ._errors import TransferFailedError
+from ._future import Callback, FutureMethods, Relay
 
 if TYPE_CHECKING:
     from ._completion import CompletionEngine
@@ -46,51 +47,13 @@ class TransferResult:
     seconds: float
 
 
-Callback = Callable[[Any], object]
-
-
-class _FutureMethods:
-    """The asyncio future methods that a transfer awaitable from any loop can honour.
-
-    There is deliberately no `_asyncio_future_blocking`, so `asyncio.isfuture()` is False:
-    asyncio stops waiting on a future it was given by cancelling it (`gather` when cancelled,
-    `wait_for` on timeout before Python 3.12, `wait_for(t, 0)`), and a submitted copy cannot
-    be cancelled, so it would wait for the copy to end instead. Told it is an awaitable,
-    asyncio wraps it in a task wherever it may cancel, and cancelling that task stops only
-    the waiting. Where asyncio just watches (`asyncio.wait`), the methods below serve.
-    """
-
-    __slots__ = ()
-
-    def get_loop(self) -> asyncio.AbstractEventLoop:
-        """The running event loop of the caller (a transfer belongs to no single loop)."""
-        loop = asyncio._get_running_loop()
-        if loop is None:
-            raise RuntimeError(
-                f"{self!r} belongs to no event loop; get_loop() answers the caller's running "
-                "loop and there is none (use wait() outside a loop)"
-            )
-        return loop
-
-    def cancel(self, msg: Any | None = None) -> bool:
-        """Always False: a submitted copy cannot be recalled (the device is already told).
-
-        To stop *waiting*, cancel the task that awaits the transfer: that task gets
-        CancelledError, while the copy and every other awaiter carry on.
-        """
-        return False
-
-    def cancelled(self) -> bool:
-        """Always False (see `cancel`)."""
-        return False
-
-
-class Transfer(_FutureMethods):
+class Transfer(FutureMethods):
     """A store or load that is already submitted; await it, `wait()` it, or poll `done()`.
 
-    Pass it as it is wherever asyncio or anyio take an awaitable or a future (`asyncio.wait`,
-    `as_completed`, `gather`, `shield`, `wait_for`, `timeout()`, task groups, anyio's
-    `fail_after`); cancelling any of them stops the waiting, never the copy.
+    `Offloader.store()` and `load()` make them; nothing else needs to. Pass it as it is
+    wherever asyncio or anyio take an awaitable or a future (`asyncio.wait`, `as_completed`,
+    `gather`, `shield`, `wait_for`, `timeout()`, task groups, anyio's `fail_after`);
+    cancelling any of them stops the waiting, never the copy.
     """
 
     __slots__ = (
@@ -317,7 +280,7 @@ def _run_callback(fn: Callable[[Transfer], object], transfer: Transfer) -> None:
         log.exception("kvasync: done-callback %r of %r raised", fn, transfer)
 
 
-class LayeredTransfer(_FutureMethods):
+class LayeredTransfer(FutureMethods):
     """A load split per layer (`Offloader.load_layerwise`): one Transfer per layer.
 
     Awaiting it awaits every layer and returns one TransferResult (bytes and seconds summed).
@@ -358,7 +321,7 @@ class LayeredTransfer(_FutureMethods):
         context: contextvars.Context | None = None
     ) -> None:
         """Call `fn(self)` once every layer is done; where it runs as for a Transfer."""
-        self.layers[-1].add_done_callback(_Relay(fn, self), context=context)
+        self.layers[-1].add_done_callback(Relay(fn, self), context=context)
 
     def remove_done_callback(self, fn: Callable[[LayeredTransfer], object]) -> int:
         return self.layers[-1].remove_done_callback(fn)
@@ -388,25 +351,3 @@ class LayeredTransfer(_FutureMethods):
 
     def __repr__(self) -> str:
         return f"<LayeredTransfer job_id={self.job_id} {len(self.layers)} layers>"
-
-
-class _Relay:
-    """A done-callback of a LayeredTransfer, registered on its last layer: calls `fn` with
-    the LayeredTransfer, and equals `fn` so that removing `fn` finds it."""
-
-    __slots__ = ("fn", "owner")
-
-    def __init__(self, fn: Callback, owner: LayeredTransfer) -> None:
-        self.fn = fn
-        self.owner = owner
-
-    def __call__(self, _layer: Transfer) -> object:
-        return self.fn(self.owner)
-
-    def __eq__(self, other: object) -> bool:
-        return other is self or other == self.fn
-
-    __hash__ = None  # type: ignore[assignment]
-
-    def __repr__(self) -> str:
-        return f"<done-callback {self.fn!r} of {self.owner!r}>"
