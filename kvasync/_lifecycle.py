@@ -248,8 +248,9 @@ class Lifecycle:
         """`weakref.finalize` callback of the offloader: release what it left behind.
 
         Runs on whichever thread dropped the last reference (or ran the cyclic collector),
-        so it takes no lane lock, joins no thread, and never waits for a copy: with
-        transfers in flight, the last one to complete releases."""
+        so it waits for no copy and for no lock without a bound (that thread may hold it):
+        with transfers in flight, the last one to complete releases; when idle, it stops
+        the completion threads without joining them (idle stream threads are joined)."""
         unclosed = not self.closed
         self.begin(locked=False)
         try:

@@ -39,7 +39,7 @@ from ._errors import (
     TransferFailedError,
 )
 from ._layout import KVCacheLayout
-from ._lifecycle import Lifecycle, refuse_blocking_wait
+from ._lifecycle import Lifecycle, completing_here, refuse_blocking_wait
 from ._scheduler import DirectionQueue
 from ._transfer import LayeredTransfer, Transfer
 
@@ -447,8 +447,12 @@ class Offloader:
 
     async def aclose(self) -> None:
         """`drain()` then `close()`; new work is refused from the start. If the awaiting
-        task is cancelled, the release still follows the last transfer in flight."""
+        task is cancelled, the release still follows the last transfer in flight. Inside a
+        done-callback (a loop run there) it is `close()`: it does not wait."""
         self._closed = True
+        if completing_here():
+            self.close()
+            return
         self._life.begin()
         try:
             await self.drain()

@@ -180,6 +180,7 @@ class Transfer:
                     yield  # one event-loop iteration, as asyncio.sleep(0)
         if self.done():
             return self.result()
+        refuse_blocking_wait("awaiting an unfinished transfer")
         fut = self._engine.future_for(self)
         if fut is None:  # completed while registering
             return self.result()

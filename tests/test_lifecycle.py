@@ -51,6 +51,21 @@ def gate() -> Iterator[Gate]:
     g.stream.close()
 
 
+@pytest.fixture(params=["eager", "lazy"])
+def thread_kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The host backend's eager completion thread, or CUDA's lazy one (polled by callers,
+    parks when idle): closing and collection must stop either."""
+    if request.param == "lazy":
+        from kvasync._backends._host import HostBackend
+        from kvasync._scheduler import DirectionQueue
+
+        monkeypatch.setattr(HostBackend, "poll_from_await", True)
+        monkeypatch.setattr(DirectionQueue, "LAZY_THREAD", True)
+        monkeypatch.setattr(DirectionQueue, "PARK_AFTER", 0.02)
+    kind: str = request.param
+    return kind
+
+
 def make(blocks: int = 64, page: int = 1024, chunks: int = 64, **kw: Any) -> tuple[
     list[np.ndarray], kv.Offloader
 ]:
@@ -133,7 +148,7 @@ def test_close_with_timeout_never_unmaps_under_a_queued_copy() -> None:
 
 
 @pytest.mark.timeout(60)
-def test_close_timeout_raises_refuses_work_and_the_last_copy_releases(gate: Gate) -> None:
+def test_close_timeout_raises_refuses_work_and_the_last_copy_releases(gate: Gate, thread_kind: str) -> None:
     gpu, off = make()
     t = off.store([1, 2], [3, 4], stream=gate.stream)
     start = time.monotonic()
@@ -257,7 +272,8 @@ def test_system_exit_from_a_callback_run_by_a_polling_wait(
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("timeout", [None, 1.0])
-def test_close_inside_a_done_callback(gate: Gate, timeout: float | None) -> None:
+def test_close_inside_a_done_callback(gate: Gate, timeout: float | None,
+                                      thread_kind: str) -> None:
     gpu, off = make()
     outcome: list[object] = []
     first_gate = Gate()  # holds the first store until its callback is registered
@@ -338,6 +354,41 @@ def test_lifecycle_calls_inside_a_done_callback() -> None:
     off.close()
 
 
+@pytest.mark.timeout(60)
+def test_event_loops_run_inside_a_done_callback(gate: Gate) -> None:
+    """asyncio.run() inside a callback: awaiting an unfinished transfer raises instead of
+    hanging the completion thread; aclose() there does not wait."""
+    gpu, off = make()
+    first_gate = Gate()
+    first = off.store([0], [0], stream=first_gate.stream)
+    held = off.store([1], [1], stream=gate.stream)
+    report: dict[str, object] = {}
+    done = threading.Event()
+
+    def cb(tr: kv.Transfer) -> None:
+        try:
+            report["self"] = asyncio.run(_await(tr)).success
+            try:
+                asyncio.run(_await(held))
+                report["held"] = "returned"
+            except RuntimeError as exc:
+                report["held"] = str(exc)
+            asyncio.run(off.aclose())
+            report["aclose"] = off.closed
+        finally:
+            done.set()
+
+    first.add_done_callback(cb)
+    first_gate.open()
+    assert done.wait(10)
+    first_gate.stream.close()
+    assert report["self"] is True and report["aclose"] is True
+    assert "inside a done-callback would deadlock" in str(report["held"])
+    gate.open()
+    assert held.wait(10).success
+    assert until(lambda: released(off) and not kvasync_threads())
+
+
 # -- Ctrl-C during close -----------------------------------------------------------------------
 
 
@@ -410,7 +461,7 @@ def test_interrupted_release_step_is_finished_by_the_next_close(
 
 
 @pytest.mark.timeout(60)
-def test_concurrent_closes_all_return_after_the_release(gate: Gate) -> None:
+def test_concurrent_closes_all_return_after_the_release(gate: Gate, thread_kind: str) -> None:
     gpu, off = make()
     ts = [off.store([i], [i], stream=gate.stream) for i in range(16)]
     errors: list[BaseException] = []
@@ -578,7 +629,7 @@ async def test_every_call_after_close() -> None:
 
 
 @pytest.mark.timeout(60)
-def test_dropped_offloaders_are_released_with_a_resource_warning() -> None:
+def test_dropped_offloaders_are_released_with_a_resource_warning(thread_kind: str) -> None:
     base = len(kvasync_threads())
     mems = []
     refs = []
@@ -600,7 +651,7 @@ def test_dropped_offloaders_are_released_with_a_resource_warning() -> None:
 
 
 @pytest.mark.timeout(60)
-def test_dropped_with_a_copy_in_flight_releases_after_it(gate: Gate) -> None:
+def test_dropped_with_a_copy_in_flight_releases_after_it(gate: Gate, thread_kind: str) -> None:
     gpu, off = make()
     t = off.load([0, 1], [5, 6], stream=gate.stream)
     mems = list(off._host_mem)

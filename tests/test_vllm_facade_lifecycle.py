@@ -157,9 +157,15 @@ def test_reusing_a_finished_unreported_id_overwrites() -> None:
     worker.shutdown()
 
 
+@pytest.mark.timeout(60)
 def test_wait_ignores_unknown_and_non_int_ids(worker: CPUOffloadingWorker) -> None:
+    gate = Gate(worker)
     store(worker, 1, 0, 0)
-    worker.wait([None, "x", 1.5, 12345, 1])  # type: ignore[list-item]
+    start = time.monotonic()
+    worker.wait([None, "x", 1.5, True, 12345])  # type: ignore[list-item]
+    assert time.monotonic() - start < 1  # none of them is job 1 (True == 1 is no job id)
+    gate.close()
+    worker.wait([np.int64(1)])
     assert [r.job_id for r in worker.get_finished()] == [1]
 
 

@@ -282,7 +282,8 @@ class CPUOffloadingWorker:
         Inside a done-callback, waiting for an unfinished job raises RuntimeError."""
         for jid in job_ids:
             with self._lock:
-                t = self._by_id.get(jid) if isinstance(jid, (int, np.integer)) else None
+                known = isinstance(jid, (int, np.integer)) and not isinstance(jid, bool)
+                t = self._by_id.get(jid) if known else None
             if t is not None:
                 try:
                     t.wait()
