@@ -180,6 +180,14 @@ def test_close_timeout_then_blocking_close_finishes(gate: Gate) -> None:
     assert released(off) and not kvasync_threads()
 
 
+def test_close_with_timeout_when_idle_releases_at_once() -> None:
+    for timeout in (0, 0.0, -1):
+        gpu, off = make()
+        assert off.store([0], [0]).wait(10).success
+        off.close(timeout=timeout)
+        assert released(off) and not kvasync_threads()
+
+
 # -- done-callbacks: exceptions and lifecycle calls --------------------------------------------
 
 
