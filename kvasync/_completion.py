@@ -29,6 +29,8 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
+from ._lifecycle import timed_acquire
+
 if TYPE_CHECKING:
     from ._transfer import Transfer, TransferResult
 
@@ -126,7 +128,10 @@ class _LoopResolver:
                     pass
                 continue
             for q in queues:
-                q.poll()
+                try:
+                    q.poll()
+                except BaseException:  # a callback's, logged where it was raised: this
+                    pass  # task is kvasync's and keeps resolving the loop's awaiters
             if self._event.is_set():
                 return
             await asyncio.sleep(0)
@@ -226,11 +231,16 @@ class CompletionEngine:
         with self._lock:
             return sum(1 for r in self._resolvers.values() if not r.task.done())
 
-    def close(self) -> None:
-        """Stop every resolver once it has no awaiters left (idempotent)."""
-        with self._lock:
+    def close(self, lock_timeout: float | None = None) -> None:
+        """Stop every resolver once it has no awaiters left (idempotent). `lock_timeout`
+        bounds the wait for the lock (a finalizer may run on a thread that holds it)."""
+        if not timed_acquire(self._lock, lock_timeout):
+            return
+        try:
             self.closed = True
             resolvers = list(self._resolvers.values())
+        finally:
+            self._lock.release()
         for resolver in resolvers:
             resolver.stopping = True
             resolver.notify(None)

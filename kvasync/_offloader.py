@@ -15,6 +15,7 @@ import itertools
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -40,6 +41,7 @@ from ._errors import (
 )
 from ._hostmem import row_offsets
 from ._layout import KVCacheLayout
+from ._lifecycle import Lifecycle, completing_here, refuse_blocking_wait
 from ._scheduler import DirectionQueue
 from ._transfer import LayeredTransfer, Transfer
 
@@ -231,6 +233,11 @@ class Offloader:
         self._job_ids = itertools.count()
         self._submit_lock = threading.Lock()
         self._closed = False
+        # what close() releases; it holds no reference back, so an offloader dropped
+        # without close() is collected, and the finalizer releases the rest
+        self._life = Lifecycle(list(self._queues.values()), self._engine, self.backend,
+                               self._host_mem, self._cpu_views, host_region)
+        weakref.finalize(self, self._life.collected, self._describe())
 
     # -- public API ---------------------------------------------------------------------------
     @property
@@ -458,32 +465,43 @@ class Offloader:
                     pass
 
     def drain_sync(self, timeout: float | None = None) -> bool:
-        """Block until every submitted transfer finished; False on timeout."""
+        """Block until every submitted transfer finished; False on timeout.
+
+        Raises RuntimeError inside a done-callback that kvasync runs (the transfer being
+        completed counts until its callbacks return, so this would wait for itself).
+        """
+        refuse_blocking_wait("drain_sync()")
         return all(q.drain(timeout) for q in self._queues.values())
 
     def close(self, timeout: float | None = None) -> None:
-        """Drain both directions in order, then release threads, streams, events and host
-        memory. Safe to call twice and from any thread."""
-        with self._submit_lock:
-            if self._closed:
-                return
-            self._closed = True
-        for q in self._queues.values():
-            q.close(timeout)
-        self._engine.close()
-        self.backend.close()
-        self._cpu_views = []
-        for mem in self._host_mem:
-            mem.release()
-        if self._region is not None:
-            close = getattr(self._region, "close", None)
-            self._region = None
-            if close is not None:
-                close()
+        """Refuse new work, drain both directions in order, then release threads, streams,
+        events and host memory. Idempotent, and safe from any thread.
+
+        Host memory is never released under a copy that may still touch it:
+
+        - with `timeout`, a drain that does not finish in time raises TimeoutError; the
+          release then happens when the last transfer in flight finishes (or in a later
+          `close()`), and meanwhile nothing new is accepted;
+        - interrupted (Ctrl-C), it leaves the same state; the next `close()` finishes;
+        - inside a done-callback it does not wait: the release follows the last transfer.
+        """
+        self._closed = True
+        self._life.close(timeout)
 
     async def aclose(self) -> None:
-        """`drain()` then `close()`."""
-        await self.drain()
+        """`drain()` then `close()`; new work is refused from the start. If the awaiting
+        task is cancelled, the release still follows the last transfer in flight. Inside a
+        done-callback (a loop run there) it is `close()`: it does not wait."""
+        self._closed = True
+        if completing_here():
+            self.close()
+            return
+        self._life.begin()
+        try:
+            await self.drain()
+        except BaseException:
+            self._life.try_release()
+            raise
         self.close()
 
     async def __aenter__(self) -> Offloader:
@@ -497,6 +515,12 @@ class Offloader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def _describe(self) -> str:
+        return (
+            f"kvasync.Offloader ({self.backend.name}, {len(self.layout.tensors)} tensors, "
+            f"{self.num_cpu_chunks} chunks x {self.blocks_per_chunk} blocks)"
+        )
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"

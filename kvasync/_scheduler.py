@@ -18,6 +18,12 @@ direction complete in order, results are reported in submission order. A failure
 that transfer and, through the event chain, every transfer queued behind it in the
 direction; the direction then refuses new work (`OffloaderBrokenError`) until the
 offloader is closed.
+
+Closing (driven by `_lifecycle.Lifecycle`): `refuse_new`, then drain, then `request_stop`,
+`join_thread`, `forget_pools`. A closed queue whose last transfer completes calls `on_idle`
+(outside its locks, after the callbacks), which releases what a close could not wait for.
+Done-callbacks run with the thread marked as completing (`enter_completion`), so blocking
+waits there raise instead of deadlocking.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +41,14 @@ from ._backends import Backend, Direction, Event, Stream
 from ._completion import SPIN_WINDOW, CompletionEngine
 from ._descriptors import TransferPlan
 from ._errors import OffloaderBrokenError, OffloaderClosedError, TransferFailedError
+from ._lifecycle import (
+    enter_completion,
+    exit_completion,
+    mark_library_thread,
+    on_library_thread,
+    raise_stashed,
+    timed_acquire,
+)
 from ._transfer import Transfer, TransferResult
 
 __all__ = ["DirectionQueue"]
@@ -102,6 +117,8 @@ class DirectionQueue:
         self._thread: threading.Thread | None = None
         self.failure: BaseException | None = None
         self.closed = False
+        #: called (outside every lock) when a closed queue's last transfer completed
+        self.on_idle: Callable[[], None] | None = None
 
     # -- pools (called under the lock) --------------------------------------------------------
     def _stream(self) -> Stream:
@@ -241,6 +258,7 @@ class DirectionQueue:
     # -- completion ---------------------------------------------------------------------------
     def _complete_loop(self) -> None:
         """Eager: woken per submitted transfer, sleeps in each end event's blocking wait."""
+        mark_library_thread()
         while True:
             rec = self._pending.get()
             if rec is _STOP:
@@ -270,6 +288,7 @@ class DirectionQueue:
         its end event's wait). A transfer predicted to end later is waited on at once.
         Submission notifies the thread only when it parked.
         """
+        mark_library_thread()
         cv = self._cv
         idle_since: float | None = None
         while True:
@@ -318,15 +337,22 @@ class DirectionQueue:
         thread hop. Returns how many transfers it completed.
         """
         done = 0
+        idle = False
         with self._finish_lock:
             while self._fifo and self._fifo[0].end.query():
                 rec = self._fifo.popleft()
                 rec.finished = True
-                self._finish(rec)
+                idle = self._finish(rec)
                 done += 1
+        if done:
+            if idle and self.closed and self.on_idle is not None:
+                self.on_idle()  # a close that could not wait for this transfer releases now
+            if not on_library_thread():
+                raise_stashed()  # a callback's BaseException, now the bookkeeping is done
         return done
 
-    def _finish(self, rec: _InFlight) -> None:
+    def _finish(self, rec: _InFlight) -> bool:
+        """Complete `rec`'s transfer (callbacks included); True if the queue is now idle."""
         error = rec.submit_error or rec.end.error()
         with self._lock:
             if self.failure is not None:  # whatever its own status, it ran behind a failure
@@ -356,12 +382,18 @@ class DirectionQueue:
             error.job_id = rec.transfer.job_id
         with self._lock:
             self._recycle(rec)
-        rec.transfer._complete(result, error)
-        with self._lock:
-            self._inflight -= 1
-            if self._inflight == 0:
-                self._tail_eta = 0.0
-                self._idle.notify_all()
+        enter_completion()
+        try:
+            rec.transfer._complete(result, error)
+        finally:
+            exit_completion()
+            with self._lock:
+                self._inflight -= 1
+                idle = self._inflight == 0
+                if idle:
+                    self._tail_eta = 0.0
+                    self._idle.notify_all()
+        return idle
 
     def _recycle(self, rec: _InFlight) -> None:
         if self.failure is not None:
@@ -387,27 +419,49 @@ class DirectionQueue:
     def inflight(self) -> int:
         return self._inflight
 
-    def close(self, timeout: float | None = None) -> None:
-        """Drain, stop the completion thread, forget pooled handles (idempotent)."""
-        if self.closed:
+    # The lifecycle (kvasync/_lifecycle.py) closes a queue in these steps; each is
+    # idempotent, so a close interrupted half-way is finished by the next one.
+    def refuse_new(self, locked: bool = True) -> None:
+        """From here on `submit()` raises OffloaderClosedError. `locked=False` is for a
+        finalizer, which must not take the lock (nobody can submit to it any more)."""
+        if not locked:
+            self.closed = True
             return
-        self.drain(timeout)
         with self._lock:
-            self.closed = True  # from here on submit() raises; drain what slipped in before
-        self.drain(timeout)
-        thread, self._thread = self._thread, None
-        if thread is not None:
-            self._pending.put(_STOP)
-            with self._cv:
-                self._stop = True
+            self.closed = True
+
+    def request_stop(self, lock_timeout: float | None = None) -> None:
+        """Tell the completion thread to exit once idle; does not wait for it."""
+        self._stop = True
+        self._pending.put(_STOP)
+        if timed_acquire(self._cv, lock_timeout):  # bounded from a finalizer
+            try:
                 self._cv.notify_all()
-            thread.join(timeout=10)
-        with self._lock:
+            finally:
+                self._cv.release()
+
+    def join_thread(self, timeout: float | None = None) -> None:
+        """Wait for the stopped completion thread to exit (not when called on it)."""
+        thread = self._thread
+        if thread is None or thread is threading.current_thread():
+            return
+        thread.join(timeout)
+        if not thread.is_alive():
+            self._thread = None
+
+    def forget_pools(self, lock_timeout: float | None = None) -> None:
+        """Drop pooled streams and events (after the backend closed them)."""
+        if not timed_acquire(self._lock, lock_timeout):
+            return
+        try:
             self._free_streams.clear()
             self._streams.clear()
             self._free_events.clear()
             self._free_order_events.clear()
             self._last_end = None
+            self._last_stream = None
+        finally:
+            self._lock.release()
 
     @property
     def thread_alive(self) -> bool:

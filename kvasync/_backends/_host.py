@@ -317,9 +317,11 @@ class HostBackend(Backend):
             _memmove(d, s, n)
 
     def close(self) -> None:
-        streams, self._streams = self._streams, []
-        for s in streams:
-            s.close()
+        # streams leave the list only once closed: a close interrupted half-way (Ctrl-C)
+        # is finished by the next one instead of leaking the rest of the threads
+        while self._streams:
+            self._streams[0].close()
+            self._streams.pop(0)
         # in-flight staged copies hold their ring (a stream thread ran them to the end)
         self._rings.clear()
 

@@ -6,13 +6,16 @@ A vLLM user swaps `CPUOffloadingWorker` in and keeps calling `submit_store` /
 never imported: its `CanonicalKVCaches` (objects with `.tensors` and `.group_data_refs`) is
 read by duck typing.
 
-Differences from vLLM, on purpose: a bad request raises `InvalidTransferError` instead of
-failing an assert, and a transfer that fails on the device is reported with
-``success=False`` instead of never being reported.
+Differences from vLLM, on purpose (docs/vllm.md lists them): a bad request raises
+`InvalidTransferError` instead of failing an assert; a transfer that fails on the device is
+reported with ``success=False`` instead of never being reported; every job is reported
+exactly once, also those `shutdown()` drained; job ids must be ints, and an id still in
+flight cannot be reused; block ids stay 64-bit.
 """
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
@@ -42,11 +45,23 @@ class TransferResult(NamedTuple):
     transfer_time: float | None = None
 
 
+def _int_list(values: Any, what: str) -> np.ndarray:
+    """A 1-D int64 array; floats, bools, strings and non-iterables are refused."""
+    if not isinstance(values, np.ndarray):
+        try:
+            values = list(values)
+        except TypeError:
+            raise InvalidTransferError(
+                f"{what}: expected a 1-D sequence of ints, got {type(values).__name__}"
+            ) from None
+    return _as_ids(values, what)
+
+
 class _BlockIDs:
     def __init__(self, block_ids: Iterable[int]) -> None:
-        ids = block_ids if isinstance(block_ids, np.ndarray) else list(block_ids)
-        # integers only (floats, bools and strings are refused, never truncated), 64-bit
-        self.block_ids = _as_ids(ids, "block_ids")
+        # integers only (floats, bools and strings are refused, never truncated), 64-bit:
+        # ids are not cut to vLLM's int32, and their range is checked by submit_*()
+        self.block_ids = _int_list(block_ids, "block_ids")
 
 
 class CPULoadStoreSpec(_BlockIDs):
@@ -68,13 +83,14 @@ class GPULoadStoreSpec(_BlockIDs):
         block_indices: Sequence[int] | None = None,
     ) -> None:
         super().__init__(block_ids)
-        self.group_sizes = (
-            (len(self.block_ids),) if group_sizes is None else tuple(int(g) for g in group_sizes)
+        self.group_sizes: tuple[int, ...] = (
+            (len(self.block_ids),) if group_sizes is None
+            else tuple(_int_list(group_sizes, "group_sizes").tolist())
         )
-        self.block_indices = (
+        self.block_indices: tuple[int, ...] = (
             (0,) * len(self.group_sizes)
             if block_indices is None
-            else tuple(int(b) for b in block_indices)
+            else tuple(_int_list(block_indices, "block_indices").tolist())
         )
         if sum(self.group_sizes) != len(self.block_ids):
             raise InvalidTransferError(
@@ -120,31 +136,79 @@ def _to_layout(kv_caches: Any) -> KVCacheLayout:
     return KVCacheLayout.from_tensors(list(kv_caches))
 
 
+def _job_id(job_id: Any) -> int:
+    """vLLM's job ids are ints; None, bools and anything else are refused."""
+    if isinstance(job_id, bool) or not isinstance(job_id, (int, np.integer)):
+        raise InvalidTransferError(f"job_id must be an int, got {job_id!r}")
+    return int(job_id)
+
+
+def _spec_ids(spec: Any, what: str) -> Any:
+    ids = getattr(spec, "block_ids", None)
+    if ids is None:
+        raise InvalidTransferError(
+            f"{what} must be a load/store spec with .block_ids (e.g. GPULoadStoreSpec), "
+            f"got {type(spec).__name__}"
+        )
+    return ids
+
+
 class CPUOffloadingWorker:
-    """vLLM's `CPUOffloadingWorker` interface over a kvasync `Offloader`."""
+    """vLLM's `CPUOffloadingWorker` interface over a kvasync `Offloader`.
+
+    The positional order is vLLM's: `(kv_caches, blocks_per_chunk, num_cpu_chunks,
+    mmap_region=None, canonical_layout=False)`; `num_cpu_blocks=` is accepted for the
+    vLLM revisions that name the third argument so. Every call is thread-safe.
+    """
 
     def __init__(
         self,
         kv_caches: Any,
         blocks_per_chunk: int,
-        num_cpu_chunks: int,
+        num_cpu_chunks: int | None = None,
+        mmap_region: Any | None = None,
         canonical_layout: bool = False,
         *,
-        mmap_region: Any | None = None,
+        num_cpu_blocks: int | None = None,
         backend: str = "auto",
         copy_path: str = "auto",
     ) -> None:
+        if (num_cpu_chunks is None) == (num_cpu_blocks is None):
+            raise InvalidTransferError(
+                "pass the number of CPU chunks once: num_cpu_chunks (or num_cpu_blocks, its "
+                f"name in some vLLM revisions), got num_cpu_chunks={num_cpu_chunks!r}, "
+                f"num_cpu_blocks={num_cpu_blocks!r}"
+            )
+        if mmap_region is not None and (
+            isinstance(mmap_region, (bool, np.bool_))
+            or not hasattr(mmap_region, "create_next_worker_view")
+        ):
+            raise InvalidTransferError(
+                "the 4th argument is mmap_region (vLLM's order: kv_caches, blocks_per_chunk, "
+                "num_cpu_chunks, mmap_region, canonical_layout): expected a shared host region "
+                f"such as kvasync.SharedHostRegion or None, got {mmap_region!r}; pass "
+                "canonical_layout=... by keyword"
+            )
+        if not isinstance(canonical_layout, (bool, np.bool_)):
+            raise InvalidTransferError(
+                f"canonical_layout must be a bool, got {type(canonical_layout).__name__}"
+            )
+        chunks = num_cpu_chunks if num_cpu_chunks is not None else num_cpu_blocks
         self.offloader = Offloader(
             _to_layout(kv_caches),
-            num_cpu_chunks=num_cpu_chunks,
+            num_cpu_chunks=chunks,  # type: ignore[arg-type]  # checked by Offloader
             blocks_per_chunk=blocks_per_chunk,
             backend=backend,
             copy_path=copy_path,
-            canonical=canonical_layout,
+            canonical=bool(canonical_layout),
             host_region=mmap_region,
         )
+        # per direction, submitted and not yet reported, in submission order
         self._queues: dict[str, deque[Transfer]] = {"d2h": deque(), "h2d": deque()}
+        # job id -> its newest transfer not yet reported (what wait() waits for)
         self._by_id: dict[int, Transfer] = {}
+        # submission order in `_queues` must be the lane's order: held across submit
+        self._lock = threading.Lock()
 
     @property
     def cpu_tensors(self) -> list[np.ndarray]:
@@ -154,52 +218,74 @@ class CPUOffloadingWorker:
         self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: CPULoadStoreSpec
     ) -> bool:
         """Asynchronous GPU -> CPU copy of `src_spec`'s blocks into `dst_spec`'s chunks."""
-        self._check_new(job_id)
-        t = self.offloader.store(
-            gpu_blocks=src_spec.block_ids, cpu_chunks=dst_spec.block_ids,
-            group_sizes=src_spec.group_sizes, block_indices=src_spec.block_indices, job_id=job_id,
-        )
-        return self._track(t)
+        jid = _job_id(job_id)
+        gpu, cpu = _spec_ids(src_spec, "src_spec"), _spec_ids(dst_spec, "dst_spec")
+        with self._lock:
+            self._check_new(jid)
+            t = self.offloader.store(
+                gpu_blocks=gpu, cpu_chunks=cpu,
+                group_sizes=getattr(src_spec, "group_sizes", None),
+                block_indices=getattr(src_spec, "block_indices", None), job_id=jid,
+            )
+            self._track(t)
+        return True
 
     def submit_load(
         self, job_id: int, src_spec: CPULoadStoreSpec, dst_spec: GPULoadStoreSpec
     ) -> bool:
         """Asynchronous CPU -> GPU copy of `src_spec`'s chunks into `dst_spec`'s blocks."""
-        self._check_new(job_id)
-        t = self.offloader.load(
-            cpu_chunks=src_spec.block_ids, gpu_blocks=dst_spec.block_ids,
-            group_sizes=dst_spec.group_sizes, block_indices=dst_spec.block_indices, job_id=job_id,
-        )
-        return self._track(t)
-
-    def _check_new(self, job_id: int) -> None:
-        if job_id in self._by_id:
-            raise InvalidTransferError(f"job_id {job_id} is already in flight")
-
-    def _track(self, t: Transfer) -> bool:
-        self._queues[t.direction].append(t)
-        self._by_id[t.job_id] = t
+        jid = _job_id(job_id)
+        cpu, gpu = _spec_ids(src_spec, "src_spec"), _spec_ids(dst_spec, "dst_spec")
+        with self._lock:
+            self._check_new(jid)
+            t = self.offloader.load(
+                cpu_chunks=cpu, gpu_blocks=gpu,
+                group_sizes=getattr(dst_spec, "group_sizes", None),
+                block_indices=getattr(dst_spec, "block_indices", None), job_id=jid,
+            )
+            self._track(t)
         return True
 
+    def _check_new(self, job_id: int) -> None:
+        """An id still in flight is refused; one that finished but was not yet reported
+        may be reused (vLLM's overwrite): both jobs are reported, `wait()` sees the new."""
+        t = self._by_id.get(job_id)
+        if t is not None and not t.done():
+            raise InvalidTransferError(f"job_id {job_id} is already in flight")
+
+    def _track(self, t: Transfer) -> None:
+        self._queues[t.direction].append(t)
+        self._by_id[t.job_id] = t
+
     def get_finished(self) -> list[TransferResult]:
-        """Finished transfers, reported from the head of each direction's queue only."""
+        """Finished transfers, reported from the head of each direction's queue only.
+
+        Every submitted job is reported exactly once, also when it finished during or after
+        `shutdown()`: call this after `shutdown()` to collect the jobs it drained.
+        """
         out: list[TransferResult] = []
-        for direction in ("d2h", "h2d"):
-            q = self._queues[direction]
-            while q and q[0].done():
-                t = q.popleft()
-                self._by_id.pop(t.job_id, None)
-                try:
-                    r = t.result()
-                    out.append(TransferResult(r.job_id, True, r.bytes, r.seconds))
-                except TransferFailedError:
-                    out.append(TransferResult(t.job_id, False, 0, 0.0))
+        with self._lock:
+            for direction in ("d2h", "h2d"):
+                q = self._queues[direction]
+                while q and q[0].done():
+                    t = q.popleft()
+                    if self._by_id.get(t.job_id) is t:
+                        del self._by_id[t.job_id]
+                    try:
+                        r = t.result()
+                        out.append(TransferResult(r.job_id, True, r.bytes, r.seconds))
+                    except TransferFailedError:
+                        out.append(TransferResult(t.job_id, False, 0, 0.0))
         return out
 
     def wait(self, job_ids: Iterable[int]) -> None:
-        """Block until the listed jobs finished (unknown or reported ids are ignored)."""
+        """Block until the listed jobs finished (unknown or reported ids are ignored).
+
+        Inside a done-callback, waiting for an unfinished job raises RuntimeError."""
         for jid in job_ids:
-            t = self._by_id.get(jid)
+            with self._lock:
+                known = isinstance(jid, (int, np.integer)) and not isinstance(jid, bool)
+                t = self._by_id.get(jid) if known else None
             if t is not None:
                 try:
                     t.wait()
@@ -207,8 +293,9 @@ class CPUOffloadingWorker:
                     pass
 
     def shutdown(self) -> None:
-        """Drain both directions, then release everything."""
+        """Refuse new jobs, drain both directions, then release everything (idempotent).
+
+        Jobs in flight are not dropped: `get_finished()` still reports each of them once.
+        Interrupted (Ctrl-C), a second call finishes; called from a done-callback, it does
+        not wait and the release follows the last job in flight."""
         self.offloader.close()
-        self._queues["d2h"].clear()
-        self._queues["h2d"].clear()
-        self._by_id.clear()
