@@ -24,6 +24,7 @@ from ._arrays import array_info
 from ._backends import Backend, Direction, HostMemory, Stream, load_backend
 from ._completion import CompletionEngine
 from ._descriptors import (
+    Ids,
     RefTable,
     SideGeometry,
     TransferPlan,
@@ -44,8 +45,6 @@ from ._transfer import LayeredTransfer, Transfer
 __all__ = ["Offloader"]
 
 log = logging.getLogger("kvasync")
-
-Ids = Sequence[int] | np.ndarray
 
 
 def _pick_backend(name: str, layout: KVCacheLayout) -> str:
@@ -97,6 +96,7 @@ class Offloader:
     ) -> None:
         if not isinstance(layout, KVCacheLayout):
             raise InvalidTransferError(f"layout must be a KVCacheLayout, got {type(layout)}")
+        layout._guard.check()  # its tensors still own the memory the layout read
         for name, value, low in (
             ("num_cpu_chunks", num_cpu_chunks, 1),
             ("blocks_per_chunk", blocks_per_chunk, 1),
@@ -193,7 +193,8 @@ class Offloader:
             "h2d": build_ref_table(layout, gpu_geo, host_geo, False, self.canonical),
         }
         for table in self._tables.values():
-            table.owners += [*self._host_mem, *([host_region] if host_region is not None else [])]
+            table.owners += [*self._host_mem, *([host_region] if host_region is not None else []),
+                             layout]  # its tensors (and their torch storages) too
         self._engine = CompletionEngine(completion)
         self._both_ways_at = -1e9  # perf_counter of the last submission that saw both busy
         lanes: list[tuple[Direction, bool]] = [
@@ -307,6 +308,7 @@ class Offloader:
         if self._closed:
             raise OffloaderClosedError("the offloader is closed")
         self._path(path)
+        self.layout._guard.check()
         plan = build_plan(self._tables["h2d"], gpu_blocks, cpu_chunks, group_sizes,
                           block_indices, False, self.num_cpu_chunks,
                           self.backend.reads_plan_later)
@@ -342,6 +344,7 @@ class Offloader:
     ) -> Transfer:
         if self._closed:
             raise OffloaderClosedError("the offloader is closed")
+        self.layout._guard.check()  # no copy into memory a tensor gave up (resize_, set_)
         plan = build_plan(
             self._tables[direction],
             gpu_blocks,
