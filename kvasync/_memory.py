@@ -146,6 +146,8 @@ class MemoryGuard:
 
     def check(self, what: str = "KV tensor") -> None:
         """Raise InvalidTransferError if any array lost, resized or moved its memory."""
+        if not (self._tensors or self._cupy):  # NumPy only: nothing can move
+            return
         try:
             ok = (
                 (not self._tensors or self._ptrs_equal())
