@@ -42,6 +42,7 @@ MUTATIONS = {
     "set_ to another tensor": lambda x: x.set_(torch.zeros(1, dtype=torch.uint8)),
     ".data = another tensor": lambda x: setattr(x, "data", torch.zeros(8, dtype=torch.uint8)),
     "share_memory_()": lambda x: x.share_memory_(),
+    "tensor resize_ larger": lambda x: x.resize_(32, 1 << 20),
 }
 CALLS = {
     "store": lambda o, w: o.store(gpu_blocks=list(range(16)), cpu_chunks=list(range(16))),
@@ -90,7 +91,7 @@ def test_every_submit_refuses_freed_or_moved_torch_memory() -> None:
     out = run_child(MATRIX, timeout=280)
     assert out.returncode == 0, (out.returncode, out.stderr[-3000:])
     results = json.loads(out.stdout.strip().splitlines()[-1])
-    assert len(results) == 25
+    assert len(results) == 30
     for case, (res, inflight, host_same) in results.items():
         assert res.startswith("InvalidTransferError: KV tensor 0"), (case, res)
         assert "nothing was enqueued" in res and "new KVCacheLayout" in res, (case, res)
@@ -192,6 +193,23 @@ def test_numpy_arrays_cannot_be_resized_under_a_layout() -> None:
     view[3] = 4
     assert off.store(gpu_blocks=[3], cpu_chunks=[1]).wait(5).success
     assert (off.cpu_tensors[0][1] == 9).all() and (off.cpu_tensors[1][1] == 4).all()
+    off.close()
+
+
+def test_a_mapped_file_cannot_be_closed_under_a_layout(tmp_path: Path) -> None:
+    """A NumPy view of a writable mmap holds the mapping: closing it raises (Python's rule
+    for exported buffers), so the layout never points into an unmapped file."""
+    f = tmp_path / "kv.bin"
+    f.write_bytes(bytes(8 * 64))
+    with open(f, "r+b") as fh:
+        mm = mmap.mmap(fh.fileno(), 0)
+    arr = np.frombuffer(mm, np.uint8).reshape(8, 64)
+    off = kv.Offloader(kv.KVCacheLayout.from_tensors([arr]), 8, backend="host")
+    with pytest.raises(BufferError):
+        mm.close()
+    off.cpu_tensors[0][2] = 42
+    assert off.load(cpu_chunks=[2], gpu_blocks=[5]).wait(5).success
+    assert bytes(mm[5 * 64:6 * 64]) == bytes([42]) * 64
     off.close()
 
 
