@@ -121,6 +121,8 @@ class MemoryGuard:
             return
         seen.add(key)
         self.keepalive.append(storage)
+        if not storage.resizable():  # from NumPy, DLPack...: its size cannot change
+            return
         self._st_names.append(i)
         self._storages.append(storage)
         self._st_bytes.append(int(storage.nbytes()))

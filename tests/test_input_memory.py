@@ -130,6 +130,19 @@ def test_offloader_over_a_layout_whose_memory_is_gone_is_refused() -> None:
         vllm.CPUOffloadingWorker(layout, 1, 4, backend="host")
 
 
+def test_a_fixed_size_storage_that_moves_is_refused() -> None:
+    """A storage torch cannot resize (from NumPy) needs no size check, but it can still move
+    (share_memory_): the pointer check catches that."""
+    torch = pytest.importorskip("torch")
+    x = torch.from_numpy(np.zeros((4, 64), np.uint8))
+    off = kv.Offloader(kv.KVCacheLayout.from_tensors([x]), 4, backend="host")
+    assert off.layout._guard._storages == []
+    x.share_memory_()
+    with pytest.raises(kv.InvalidTransferError, match="KV tensor 0 moved"):
+        off.store(gpu_blocks=[0], cpu_chunks=[0])
+    off.close()
+
+
 def test_in_place_writes_keep_the_memory() -> None:
     """Writing a tensor in place (what attention does) keeps its memory: transfers go on."""
     torch = pytest.importorskip("torch")
