@@ -1,8 +1,9 @@
 """Reading raw pointers, byte strides and devices off torch, CuPy and NumPy arrays.
 
 kvasync never copies or converts a caller's tensor: it reads its address and byte strides
-once and keeps a reference so the memory outlives every transfer that touches it. Neither
-torch nor CuPy is imported here; arrays are recognised by the protocols they implement.
+once and keeps a reference so the memory outlives every transfer that touches it (`_memory`
+checks at submit time that it still owns that memory). Neither torch nor CuPy is imported
+here; arrays are recognised by the protocols they implement.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import numpy as np
 
 from ._errors import InvalidTransferError
 
-__all__ = ["ArrayInfo", "array_info"]
+__all__ = ["ArrayInfo", "array_info", "is_array", "move_to_front", "select"]
 
 Device = Literal["cpu", "cuda"]
 
@@ -31,6 +32,9 @@ class ArrayInfo:
     device_id: int
     kind: str
     obj: Any
+    dtype: str = ""
+    #: False for memory that must never be written (a NumPy view of a `bytes` object)
+    writeable: bool = True
 
     @property
     def nbytes(self) -> int:
@@ -39,11 +43,14 @@ class ArrayInfo:
             n *= s
         return n
 
-    def inner_contiguous(self) -> bool:
-        """True when every dim after the first is C-contiguous (a row is one byte range)."""
+    def inner_dense(self) -> bool:
+        """True when the dims after the first, in some order of their strides, are densely
+        packed with positive strides: then one dim-0 row is one byte range starting at its
+        first element (C order, or a permuted view such as vLLM's HND over NHD)."""
+        dims = sorted((st, sz) for sz, st in zip(self.shape[1:], self.strides[1:]) if sz != 1)
         expected = self.itemsize
-        for size, stride in zip(reversed(self.shape[1:]), reversed(self.strides[1:])):
-            if size != 1 and stride != expected:
+        for stride, size in dims:
+            if stride != expected:
                 return False
             expected *= size
         return True
@@ -60,14 +67,40 @@ class ArrayInfo:
     def row_stride(self) -> int:
         return self.strides[0] if self.shape else 0
 
+    def rows(self) -> tuple[int, int, int, int]:
+        """(first address, bytes per row, row stride, rows): the bytes this array covers."""
+        n = self.shape[0] if self.shape else 1
+        stride = self.row_stride if n > 1 else self.row_bytes
+        return self.ptr, self.row_bytes, stride, n
+
+    def describe(self) -> str:
+        """`dtype (shape) device` for messages and reprs."""
+        dev = "cpu" if self.device == "cpu" else f"cuda:{self.device_id}"
+        return f"{self.kind} {self.dtype} {self.shape} on {dev}"
+
 
 def _is_torch(x: Any) -> bool:
     return type(x).__module__.split(".")[0] == "torch"
 
 
+def is_array(x: Any) -> bool:
+    """True for one array object (torch tensor, NumPy/CuPy array, array-interface object),
+    as opposed to a list of them."""
+    return (
+        (_is_torch(x) and hasattr(x, "data_ptr"))
+        or isinstance(x, np.ndarray)
+        or hasattr(x, "__cuda_array_interface__")
+        or hasattr(x, "__array_interface__")
+    )
+
+
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def array_info(x: Any, what: str = "tensor") -> ArrayInfo:
     """Describe `x` (torch tensor, CuPy array, NumPy array or any array-interface object)."""
-    if _is_torch(x):
+    if _is_torch(x) and hasattr(x, "data_ptr"):
         if getattr(x, "is_sparse", False) or x.layout.__repr__() != "torch.strided":
             raise InvalidTransferError(f"{what}: only strided (dense) torch tensors are supported")
         if x.device.type not in ("cpu", "cuda"):
@@ -83,6 +116,7 @@ def array_info(x: Any, what: str = "tensor") -> ArrayInfo:
             device_id=int(x.device.index or 0) if device == "cuda" else -1,
             kind="torch",
             obj=x,
+            dtype=_dtype_name(x.dtype),
         )
     if isinstance(x, np.ndarray):
         return ArrayInfo(
@@ -94,6 +128,8 @@ def array_info(x: Any, what: str = "tensor") -> ArrayInfo:
             device_id=-1,
             kind="numpy",
             obj=x,
+            dtype=str(x.dtype),
+            writeable=bool(x.flags.writeable),
         )
     cai = getattr(x, "__cuda_array_interface__", None)
     if cai is not None:
@@ -113,11 +149,18 @@ def array_info(x: Any, what: str = "tensor") -> ArrayInfo:
             device_id=dev_id,
             kind=type(x).__module__.split(".")[0],
             obj=x,
+            dtype=str(np.dtype(cai["typestr"])),
+            writeable=not bool(cai["data"][1]),
         )
     if hasattr(x, "__array_interface__"):
         return array_info(np.asarray(x), what)
+    hint = ""
+    if isinstance(x, (bytes, bytearray, memoryview)):
+        hint = (" (a buffer has no block dimension: wrap it, e.g. "
+                "np.frombuffer(buf, np.uint8).reshape(num_blocks, page_bytes))")
     raise InvalidTransferError(
-        f"{what}: expected a torch tensor, CuPy array or NumPy array, got {type(x).__name__}"
+        f"{what}: expected a torch tensor, CuPy array or NumPy array, got "
+        f"{type(x).__name__}{hint}"
     )
 
 
@@ -128,3 +171,22 @@ def _c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
         out.append(acc)
         acc *= s
     return tuple(reversed(out))
+
+
+def move_to_front(x: Any, dim: int) -> Any:
+    """A view of `x` with dim `dim` first, the others in order (no copy)."""
+    order = [dim, *(d for d in range(len(x.shape)) if d != dim)]
+    if _is_torch(x):
+        return x.permute(*order)
+    if not hasattr(x, "transpose"):
+        raise InvalidTransferError(
+            f"block_dim needs a torch tensor, NumPy or CuPy array, got {type(x).__name__}"
+        )
+    return x.transpose(order)
+
+
+def select(x: Any, dim: int, index: int) -> Any:
+    """The view ``x[..., index, ...]`` along `dim` (no copy)."""
+    if _is_torch(x):
+        return x.select(dim, index)
+    return x[(slice(None),) * dim + (index,)]

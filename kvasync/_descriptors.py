@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -31,6 +31,8 @@ if TYPE_CHECKING:
     from ._layout import KVCacheLayout
 
 __all__ = [
+    "IdArray",
+    "Ids",
     "RefTable",
     "Segment",
     "SideGeometry",
@@ -131,14 +133,16 @@ def build_ref_table(
             rows_t.append(ref.tensor_idx)
             rows_g.append(g)
             f_start.append(len(fz))
+            off = ref.offset_bytes  # where the ref's bytes start in a block (and host sub-slot)
             if canonical:
                 assert ref.mapping is not None
-                frags = [f for run in ref.mapping.runs for f in run.fragments()]
+                frags = [(lo + off, co, size)
+                         for run in ref.mapping.runs for lo, co, size in run.fragments()]
                 writers.append(
                     (ref.mapping.num_writers, ref.mapping.writer_index) if gpu_to_cpu else (1, 0)
                 )
             else:
-                frags = [(0, 0, ref.page_size_bytes)]
+                frags = [(off, off, ref.page_size_bytes)]
                 writers.append((1, 0))
             for local, canon, size in frags:
                 s_off, d_off = (local, canon) if gpu_to_cpu else (canon, local)
@@ -423,24 +427,55 @@ def coalesce(
 _INT64_MAX = int(np.iinfo(np.int64).max)
 
 
+class IdArray(Protocol):
+    """An array NumPy reads in one call (`__array__`): a NumPy array, a CPU torch tensor."""
+
+    def __array__(self, *args: Any, **kwargs: Any) -> Any: ...
+
+
+#: block or chunk ids: a list, tuple or range of ints, or a 1-D integer NumPy array or CPU
+#: torch tensor
+Ids = Sequence[int] | np.ndarray | IdArray
+
+_IDS_EXPECTED = "a 1-D sequence of ints (list, tuple, range, NumPy array or CPU torch tensor)"
+
+
 def _as_ids(x: Any, what: str, copy: bool = True) -> np.ndarray:
     """A 1-D int64 array of ids; rejects floats, bools, non-1-D and non-integer input.
 
     `copy=False` lets an int64 array through as is (no fresh 2 MB page-faulting copy for a
     262k-id request): for copy paths that consume the plan before `store()` returns."""
+    if not hasattr(x, "__array__") and (
+        not isinstance(x, Sequence) or isinstance(x, (str, bytes, bytearray))
+    ):  # sets, dicts, generators, strings, None, scalars: say what came
+        shown = f" {x!r}" if isinstance(x, (str, bytes, int, float)) else ""
+        raise InvalidTransferError(
+            f"{what}: expected {_IDS_EXPECTED}, got {type(x).__name__}{shown}"
+        )
     try:
         arr = np.asarray(x)
-    except Exception as exc:  # pragma: no cover - exotic inputs
-        raise InvalidTransferError(f"{what}: cannot read ids ({exc})") from None
+    except Exception as exc:
+        raise InvalidTransferError(
+            f"{what}: cannot read ids from {type(x).__name__} ({exc})"
+        ) from None
     if arr.ndim != 1:
         if arr.ndim == 0 or arr.size != 0:
-            raise InvalidTransferError(f"{what}: expected a 1-D sequence of ints, got {arr.shape}")
+            raise InvalidTransferError(
+                f"{what}: expected {_IDS_EXPECTED}, got {type(x).__name__} of shape {arr.shape}"
+            )
         arr = arr.reshape(0)
     if arr.size == 0:
         return np.zeros(0, dtype=np.int64)
     kind = arr.dtype.kind
     if kind not in "iu":  # 'b' (bool), 'f', 'U', 'O', ... are refused
+        if type(x) in (list, tuple) and all(type(v) is int for v in x):  # beyond int64
+            raise InvalidTransferError(f"{what}: id {max(x, key=abs)} out of range")
         raise InvalidTransferError(f"{what}: ids must be integers, got dtype {arr.dtype}")
+    if type(x) in (list, tuple):
+        # NumPy reads [3, True] as int64: a bool among ints is refused like [True] is
+        types = frozenset(map(type, x))
+        if bool in types or np.bool_ in types:
+            raise InvalidTransferError(f"{what}: ids must be integers, got a bool among them")
     if kind == "u" and arr.dtype.itemsize == 8 and int(arr.max()) > _INT64_MAX:
         raise InvalidTransferError(f"{what}: id {int(arr.max())} out of range")
     # one private copy where the plan may be read after the call returns (host backend): it
@@ -599,9 +634,10 @@ def build_plan(
         raise InvalidTransferError(f"group_sizes must be >= 0, got {gs.tolist()}")
     if (bi < 0).any():
         raise InvalidTransferError(f"block_indices must be >= 0, got {bi.tolist()}")
-    if int(gs.sum()) != len(gpu):
+    total = sum(gs.tolist())  # Python ints: an int64 sum could wrap around to len(gpu)
+    if total != len(gpu):
         raise InvalidTransferError(
-            f"sum(group_sizes) = {int(gs.sum())} != len(gpu_blocks) = {len(gpu)}"
+            f"sum(group_sizes) = {total} != len(gpu_blocks) = {len(gpu)}"
         )
     if len(cpu) and (int(cpu.min()) < 0 or int(cpu.max()) >= num_cpu_chunks):
         bad = int(cpu.min()) if int(cpu.min()) < 0 else int(cpu.max())

@@ -26,6 +26,7 @@ from ._arrays import array_info
 from ._backends import Backend, Direction, HostMemory, Stream, load_backend
 from ._completion import CompletionEngine
 from ._descriptors import (
+    Ids,
     RefTable,
     SideGeometry,
     TransferPlan,
@@ -49,7 +50,6 @@ __all__ = ["Offloader"]
 
 log = logging.getLogger("kvasync")
 
-Ids = Sequence[int] | np.ndarray
 
 def _pick_backend(name: str, layout: KVCacheLayout) -> str:
     if name != "auto":
@@ -114,6 +114,7 @@ class Offloader:
                 "give the host copy's size as num_cpu_chunks or as cpu_bytes (exactly one), "
                 f"got num_cpu_chunks={num_cpu_chunks!r}, cpu_bytes={cpu_bytes!r}"
             )
+        layout._guard.check()  # its tensors still own the memory the layout read
         for name, value, low in (
             ("num_cpu_chunks", num_cpu_chunks, 1),
             ("cpu_bytes", cpu_bytes, 1),
@@ -220,7 +221,8 @@ class Offloader:
             "h2d": build_ref_table(layout, gpu_geo, host_geo, False, self.canonical),
         }
         for table in self._tables.values():
-            table.owners += [*self._host_mem, *([host_region] if host_region is not None else [])]
+            table.owners += [*self._host_mem, *([host_region] if host_region is not None else []),
+                             layout]  # its tensors (and their torch storages) too
         self._engine = CompletionEngine(completion)
         self._both_ways_at = -1e9  # perf_counter of the last submission that saw both busy
         lanes: list[tuple[Direction, bool]] = [
@@ -356,6 +358,7 @@ class Offloader:
         if self._closed:
             raise OffloaderClosedError("the offloader is closed")
         self._path(path)
+        self.layout._guard.check()
         plan = build_plan(self._tables["h2d"], gpu_blocks, cpu_chunks, group_sizes,
                           block_indices, False, self.num_cpu_chunks,
                           self.backend.reads_plan_later)
@@ -391,6 +394,7 @@ class Offloader:
     ) -> Transfer:
         if self._closed:
             raise OffloaderClosedError("the offloader is closed")
+        self.layout._guard.check()  # no copy into memory a tensor gave up (resize_, set_)
         plan = build_plan(
             self._tables[direction],
             gpu_blocks,

@@ -77,6 +77,10 @@ class HostMemory:
     pinned: bool
     _release: Callable[[], None] | None = None
 
+    def __repr__(self) -> str:
+        state = "released" if self._release is None else ("pinned" if self.pinned else "pageable")
+        return f"<HostMemory {self.ptr:#x} {self.nbytes} B {state}>"
+
     def release(self) -> None:
         fn, self._release = self._release, None
         if fn is not None:

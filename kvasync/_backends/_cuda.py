@@ -86,6 +86,9 @@ class CudaEvent(Event):
         self.ptr = int(raw.ptr)
         self._error: BaseException | None = None
 
+    def __repr__(self) -> str:
+        return f"<CudaEvent {self.ptr:#x}{' failed' if self._error is not None else ''}>"
+
     def query(self) -> bool:
         if self._error is not None:
             return True
@@ -173,7 +176,7 @@ class CudaStream(Stream):
             self._error = _failure("cudaStreamWaitEvent", exc)
 
     def __repr__(self) -> str:
-        return f"<CudaStream {self.ptr:#x} device {self.device_id}>"
+        return f"<CudaStream {self.ptr:#x} device={self.device_id}>"
 
 
 # -- staging buffers ----------------------------------------------------------------------------
@@ -1069,4 +1072,6 @@ class CudaBackend(Backend):
         self._pinned_cache.clear()
 
     def __repr__(self) -> str:
-        return f"<CudaBackend device {self.device_id} grid {self.grid}>"
+        state = " closed" if self._closed else ""
+        return (f"<CudaBackend device={self.device_id} paths={self.paths} "
+                f"grid={self.grid}{state}>")

@@ -73,6 +73,9 @@ class HostEvent(Event):
         assert isinstance(end, HostEvent)
         return max(end._mark.time - self._mark.time, 0.0)
 
+    def __repr__(self) -> str:
+        return f"<HostEvent {'done' if self.query() else 'pending'}>"
+
 
 _STOP = object()
 
@@ -146,6 +149,10 @@ class HostStream(Stream):
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    def __repr__(self) -> str:
+        state = "failed" if self._error is not None else "running" if self.alive else "idle"
+        return f"<HostStream {self._name} {state}>"
 
 
 class _HostRing:
@@ -328,3 +335,6 @@ class HostBackend(Backend):
     @property
     def live_threads(self) -> int:
         return sum(1 for s in self._streams if s.alive)
+
+    def __repr__(self) -> str:
+        return f"<HostBackend paths={self.paths} streams={len(self._streams)}>"

@@ -1,0 +1,116 @@
+"""Refs of one group on one tensor (allowed when their bytes are disjoint), and short reprs
+for every object a user prints."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvasync as kv
+
+
+def _kv_rows(blocks: int = 8, half: int = 64) -> np.ndarray:
+    """Blocks whose rows are K then V (FlashInfer-like): one tensor, two halves."""
+    return np.random.default_rng(0).integers(0, 256, (blocks, 2 * half), dtype=np.uint8)
+
+
+def test_two_refs_on_disjoint_halves_of_one_tensor_round_trip() -> None:
+    t = _kv_rows()
+    orig = t.copy()
+    layout = kv.KVCacheLayout([t], [[kv.KVRef(0, 64), kv.KVRef(0, 64, offset_bytes=64)]])
+    assert [r.offset_bytes for r in layout.groups[0]] == [0, 64]
+    with kv.Offloader(layout, 4, backend="host") as off:
+        assert off.store(gpu_blocks=[2, 5], cpu_chunks=[0, 3]).wait(5).bytes == 2 * 128
+        np.testing.assert_array_equal(off.cpu_tensors[0][3], orig[5])
+        t[:] = 0
+        off.load(cpu_chunks=[0, 3], gpu_blocks=[1, 6]).wait(5)
+    np.testing.assert_array_equal(t[[1, 6]], orig[[2, 5]])
+    assert not t[[0, 2, 3, 4, 5, 7]].any()
+
+
+def test_a_ref_on_the_v_half_only_copies_only_those_bytes() -> None:
+    t = _kv_rows()
+    orig = t.copy()
+    layout = kv.KVCacheLayout([t], [[kv.KVRef(0, offset_bytes=64)]])
+    assert layout.groups[0][0].page_size_bytes == 64  # default: the rest of the row
+    with kv.Offloader(layout, 4, backend="host") as off:
+        off.store(gpu_blocks=[2], cpu_chunks=[1]).wait(5)
+        t[:] = 0
+        off.load(cpu_chunks=[1], gpu_blocks=[2]).wait(5)
+    np.testing.assert_array_equal(t[2, 64:], orig[2, 64:])
+    assert not t[2, :64].any()
+
+
+@pytest.mark.parametrize(("refs", "match"), [
+    ([kv.KVRef(0), kv.KVRef(0)], "two refs cover bytes \\[0, 128\\)"),
+    ([kv.KVRef(0, 64), kv.KVRef(0, 64, offset_bytes=32)], "cover bytes \\[32, 64\\)"),
+    ([kv.KVRef(0, 64, offset_bytes=64), kv.KVRef(0, offset_bytes=100)], "cover bytes"),
+    ([kv.KVRef(0, offset_bytes=128)], "offset_bytes 128 must be an int in \\[0, 128\\)"),
+    ([kv.KVRef(0, offset_bytes=-1)], "offset_bytes -1"),
+    ([kv.KVRef(0, 80, offset_bytes=64)], "page_size_bytes 80 must be in \\(0, 64\\]"),
+])
+def test_overlapping_or_out_of_row_refs_are_refused(refs: list[kv.KVRef], match: str) -> None:
+    with pytest.raises(kv.InvalidTransferError, match=match):
+        kv.KVCacheLayout([_kv_rows()], [refs])
+
+
+def test_refs_of_different_groups_may_share_a_tensor() -> None:
+    """Unchanged: groups sharing a tensor are checked per request (a block written by two
+    groups in one transfer is a duplicate destination)."""
+    layout = kv.KVCacheLayout([_kv_rows()], [[kv.KVRef(0)], [kv.KVRef(0)]])
+    with kv.Offloader(layout, 4, backend="host") as off:
+        with pytest.raises(kv.InvalidTransferError, match="duplicate destination"):
+            off.load(cpu_chunks=[0, 1], gpu_blocks=[3, 3], group_sizes=[1, 1])
+        assert off.load(cpu_chunks=[0, 1], gpu_blocks=[3, 4], group_sizes=[1, 1]).wait(5).success
+
+
+def test_canonical_refs_on_one_tensor_need_disjoint_canonical_bytes() -> None:
+    k = kv.PageMapping(128, 64, (kv.CopyRun(0, 0, 64),))
+    v_clash = kv.PageMapping(128, 64, (kv.CopyRun(0, 32, 64),))
+    v_ok = kv.PageMapping(128, 64, (kv.CopyRun(0, 64, 64),))
+    t = _kv_rows()
+    clash = kv.KVCacheLayout([t], [[kv.KVRef(0, 64, k), kv.KVRef(0, 64, v_clash, 64)]])
+    with pytest.raises(kv.InvalidTransferError, match="canonical bytes at 32 twice"):
+        kv.Offloader(clash, 4, backend="host", canonical=True)
+    assert kv.Offloader(clash, 4, backend="host").store(gpu_blocks=[0], cpu_chunks=[0]).wait(5).success  # direct
+    orig = t.copy()
+    ok = kv.KVCacheLayout([t], [[kv.KVRef(0, 64, k), kv.KVRef(0, 64, v_ok, 64)]])
+    with kv.Offloader(ok, 4, backend="host", canonical=True) as off:
+        off.store(gpu_blocks=[6], cpu_chunks=[2]).wait(5)
+        np.testing.assert_array_equal(off.cpu_tensors[0][2], orig[6])
+        t[:] = 0
+        off.load(cpu_chunks=[2], gpu_blocks=[1]).wait(5)
+    np.testing.assert_array_equal(t[1], orig[6])
+
+
+# -- reprs ------------------------------------------------------------------------------------
+def test_kv_tensor_repr_is_short_and_never_dumps_values() -> None:
+    torch = pytest.importorskip("torch")
+    t = kv.KVTensor(torch.zeros((1000, 16, 8, 128), dtype=torch.bfloat16))
+    r = repr(t)
+    assert r == ("KVTensor(shape=(1000, 16, 8, 128), dtype=bfloat16, device=cpu, "
+                 "page_bytes=32768, blocks=1000)")
+    assert repr(kv.KVTensor(np.zeros((4, 8), np.float32))) == (
+        "KVTensor(shape=(4, 8), dtype=float32, device=cpu, page_bytes=32, blocks=4)")
+
+
+def test_ref_layout_and_backend_reprs_are_short() -> None:
+    m = kv.PageMapping(256, 64, (kv.CopyRun(0, 64, 64),), num_writers=2, writer_index=1)
+    assert repr(kv.KVRef(3, 64, m, 64)) == (
+        "KVRef(3, page_size_bytes=64, offset_bytes=64, "
+        "mapping=<canonical 256 B, 1 fragments, writer 1/2>)")
+    assert repr(kv.KVRef(0)) == "KVRef(0, page_size_bytes=None)"
+    tensors = [np.zeros((16, 64), np.uint8) for _ in range(40)]
+    layout = kv.KVCacheLayout.from_tensors(tensors)
+    assert repr(layout) == ("<KVCacheLayout cpu 40 tensors, 1 group, 40 refs, 16 blocks, "
+                            "2560 B per block>")
+    one = kv.KVCacheLayout.from_tensors([np.zeros((8, 4), np.uint8)])
+    assert repr(one) == "<KVCacheLayout cpu 1 tensor, 1 group, 1 ref, 8 blocks, 4 B per block>"
+    with kv.Offloader(layout, 4, backend="host") as off:
+        assert repr(off.backend) == "<HostBackend paths=('memmove', 'staged') streams=0>"
+        off.store(gpu_blocks=[0], cpu_chunks=[0]).wait(5)
+        assert repr(off.backend) == "<HostBackend paths=('memmove',) streams=1>"
+        stream = off.backend._streams[0]  # type: ignore[attr-defined]
+        assert repr(stream).startswith("<HostStream kvasync-host-0 ")
+        assert repr(off._host_mem[0]).endswith(" 4096 B pageable>")
+        assert repr(off.backend.new_event()) == "<HostEvent done>"
