@@ -109,7 +109,7 @@ def test_ref_layout_and_backend_reprs_are_short() -> None:
     with kv.Offloader(layout, 4, backend="host") as off:
         assert repr(off.backend) == "<HostBackend paths=('memmove', 'staged') streams=0>"
         off.store(gpu_blocks=[0], cpu_chunks=[0]).wait(5)
-        assert repr(off.backend) == "<HostBackend paths=('memmove',) streams=1>"
+        assert repr(off.backend) == "<HostBackend paths=('memmove', 'staged') streams=1>"
         stream = off.backend._streams[0]  # type: ignore[attr-defined]
         assert repr(stream).startswith("<HostStream kvasync-host-0 ")
         assert repr(off._host_mem[0]).endswith(" 4096 B pageable>")
