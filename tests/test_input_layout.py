@@ -112,5 +112,6 @@ def test_ref_layout_and_backend_reprs_are_short() -> None:
         assert repr(off.backend) == "<HostBackend paths=('memmove', 'staged') streams=1>"
         stream = off.backend._streams[0]  # type: ignore[attr-defined]
         assert repr(stream).startswith("<HostStream kvasync-host-0 ")
-        assert repr(off._host_mem[0]).endswith(" 4096 B pageable>")
+        # one mapping holds every tensor's rows: 4 chunks x 40 x 64 B, whole pages
+        assert repr(off._host_mem[0]).endswith(" 12288 B pageable>")
         assert repr(off.backend.new_event()) == "<HostEvent done>"
