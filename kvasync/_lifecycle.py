@@ -229,9 +229,10 @@ class Lifecycle:
         for mem in self.host_mem:
             mem.release()
         region, self.region = self.region, None
-        if region is not None:
+        close = getattr(region, "close", None)  # a duck-typed region may have none
+        if close is not None:
             try:
-                region.close()
+                close()
             except BaseException:
                 self.region = region  # retried by the next close
                 raise

@@ -34,7 +34,8 @@ def _rss_bytes() -> int:
     [pytest.param(("host", "auto", 1.0), id="host"),
      pytest.param(("host", "staged", 0.5), id="host-staged"),
      pytest.param(("cuda", "auto", 0.25), id="cuda-auto", marks=pytest.mark.gpu),
-     pytest.param(("cuda", "staged", 0.15), id="cuda-staged", marks=pytest.mark.gpu),
+     # tiny multi-group transfers: staged's host cost per transfer (~1 ms on the H200 host) sets the pace
+     pytest.param(("cuda", "staged", 0.5), id="cuda-staged", marks=pytest.mark.gpu),
      pytest.param(("cuda", "dma", 0.15), id="cuda-dma", marks=pytest.mark.gpu)],
 )
 def test_soak_random_transfers_match_the_oracle(backend_path: tuple[str, str, float]) -> None:
