@@ -197,56 +197,90 @@ def _coalesce_runs(so: np.ndarray, hp: np.ndarray, sz: np.ndarray
     return so, hp, sz
 
 
-#: requests of at most this many blocks (one ref set, one block per chunk) are staged in
-#: plain Python: NumPy's per-call overhead was most of a small store()'s host cost
+#: requests of at most this many slots are staged in plain Python: NumPy's per-call
+#: overhead was most of a small store()'s host cost (a 10-block, two-group request took
+#: ~0.5 ms through the NumPy path)
 _SMALL = 256
 
 
-def _build_small(plan: TransferPlan, seg: Segment, rows: RowSide, rps: int, gpu_to_cpu: bool
-                 ) -> StagedProgram | None:
-    """`build_staged` for one segment of one-block chunks, in Python ints (same result)."""
+def _build_consecutive(plan: TransferPlan, seg: Segment, rows: RowSide, rps: int,
+                       gpu_to_cpu: bool) -> StagedProgram | None:
+    """One segment of one-block chunks with consecutive ids covering whole rows: one run,
+    staging row = chunk - first chunk. None for anything else."""
     table = plan.table
-    pst, psz = _pattern(table, rows, seg.refs, 1, gpu_to_cpu)
-    if len(pst) != 1:
-        return None
-    start, size = int(pst[0]), int(psz[0])
     slots = seg.dst_slots if gpu_to_cpu else seg.src_slots
     n = len(slots)
     lo, hi = int(slots.min()), int(slots.max())
-    if hi - lo == n - 1 and size == rows.span == rows.row_stride and (
-            n == 1 or len(np.unique(slots)) == n):
-        # consecutive chunks, whole rows: one run, staging row = chunk - first chunk
-        staged_c = (slots - U64(lo)).astype(U64)
-        kseg = (Segment(seg.refs, seg.src_slots, staged_c) if gpu_to_cpu
-                else Segment(seg.refs, staged_c, seg.dst_slots))
-        one = Slab((kseg,), np.zeros(1, dtype=U64),
-                   np.array([rows.base + lo * rows.row_stride], dtype=U64),
-                   np.array([n * size], dtype=U64),
-                   n * int(table.bytes_per_block[seg.refs].sum()),
-                   n * int(table.frag_count[seg.refs].sum()))
-        return StagedProgram((one,), rows, rps, gpu_to_cpu)
-    host = slots.tolist()
-    uniq = sorted(set(host))
-    rank = {c: r for r, c in enumerate(uniq)}
-    staged = np.array([rank[c] for c in host], dtype=U64)
-    so: list[int] = []
-    hp: list[int] = []
-    sz: list[int] = []
-    base, stride, span = rows.base + start, rows.row_stride, rows.span
-    for r, c in enumerate(uniq):
-        a, b = r * span + start, base + c * stride
-        if sz and so[-1] + sz[-1] == a and hp[-1] + sz[-1] == b:
-            sz[-1] += size
-        else:
-            so.append(a)
-            hp.append(b)
-            sz.append(size)
+    if hi - lo != n - 1 or rows.span != rows.row_stride:
+        return None
+    pst, psz = _pattern(table, rows, seg.refs, 1, gpu_to_cpu)
+    if len(pst) != 1 or int(psz[0]) != rows.span or (n > 1 and len(np.unique(slots)) != n):
+        return None
+    staged = (slots - U64(lo)).astype(U64)
     kseg = (Segment(seg.refs, seg.src_slots, staged) if gpu_to_cpu
             else Segment(seg.refs, staged, seg.dst_slots))
-    slab = Slab((kseg,), np.array(so, dtype=U64), np.array(hp, dtype=U64),
-                np.array(sz, dtype=U64), n * int(table.bytes_per_block[seg.refs].sum()),
-                n * int(table.frag_count[seg.refs].sum()))
-    return StagedProgram((slab,), rows, rps, gpu_to_cpu)
+    one = Slab((kseg,), np.zeros(1, dtype=U64),
+               np.array([rows.base + lo * rows.row_stride], dtype=U64),
+               np.array([n * rows.span], dtype=U64),
+               n * int(table.bytes_per_block[seg.refs].sum()),
+               n * int(table.frag_count[seg.refs].sum()))
+    return StagedProgram((one,), rows, rps, gpu_to_cpu)
+
+
+def _build_python(plan: TransferPlan, segs: list[Segment], rows: RowSide, rps: int,
+                  gpu_to_cpu: bool) -> StagedProgram:
+    """`build_staged` in Python ints for a few slots (same program as the NumPy path)."""
+    table = plan.table
+    bpc = rows.factor
+    hosts = [(s.dst_slots if gpu_to_cpu else s.src_slots).tolist() for s in segs]
+    uniq = sorted({h // bpc for hs in hosts for h in hs})
+    rank = {c: r for r, c in enumerate(uniq)}
+    nslabs = -(-len(uniq) // rps)
+    per_slab: list[list[Segment]] = [[] for _ in range(nslabs)]
+    kbytes = [0] * nslabs
+    kcount = [0] * nslabs
+    masks: dict[tuple[int, bytes], int] = {}
+    refs_of: dict[bytes, np.ndarray] = {}
+    for seg, hs in zip(segs, hosts):
+        key = seg.refs.tobytes()
+        refs_of[key] = seg.refs
+        per_block = int(table.bytes_per_block[seg.refs].sum())
+        per_frags = int(table.frag_count[seg.refs].sum())
+        gpu = (seg.src_slots if gpu_to_cpu else seg.dst_slots).tolist()
+        by_slab: dict[int, tuple[list[int], list[int]]] = {}
+        for g, h in zip(gpu, hs):
+            c, j = divmod(h, bpc)
+            r = rank[c]
+            lists = by_slab.setdefault(r // rps, ([], []))
+            lists[0].append(g)
+            lists[1].append((r % rps) * bpc + j)
+            masks[(r, key)] = masks.get((r, key), 0) | (1 << j)
+        for k in sorted(by_slab):
+            ga = np.array(by_slab[k][0], dtype=U64)
+            sa = np.array(by_slab[k][1], dtype=U64)
+            per_slab[k].append(Segment(seg.refs, ga, sa) if gpu_to_cpu
+                               else Segment(seg.refs, sa, ga))
+            kbytes[k] += len(ga) * per_block
+            kcount[k] += len(ga) * per_frags
+    runs: list[list[tuple[int, int, int]]] = [[] for _ in range(nslabs)]
+    for (r, key), mask in masks.items():
+        pst, psz = _pattern(table, rows, refs_of[key], mask, gpu_to_cpu)
+        srow = (r % rps) * rows.span
+        hrow = rows.base + uniq[r] * rows.row_stride
+        runs[r // rps].extend((hrow + a, srow + a, z) for a, z in zip(pst.tolist(), psz.tolist()))
+    slabs: list[Slab] = []
+    for k in range(nslabs):
+        merged: list[list[int]] = []
+        for h, st, z in sorted(runs[k]):
+            last = merged[-1] if merged else None
+            if last is not None and last[0] + last[2] == h and last[1] + last[2] == st:
+                last[2] += z
+            else:
+                merged.append([h, st, z])
+        slabs.append(Slab(tuple(per_slab[k]), np.array([m[1] for m in merged], dtype=U64),
+                          np.array([m[0] for m in merged], dtype=U64),
+                          np.array([m[2] for m in merged], dtype=U64), kbytes[k], kcount[k]))
+    return StagedProgram(tuple(slabs), rows, rps, gpu_to_cpu)
 
 
 def build_staged(plan: TransferPlan, gpu_to_cpu: bool, slab_bytes: int) -> StagedProgram | None:
@@ -265,10 +299,12 @@ def build_staged(plan: TransferPlan, gpu_to_cpu: bool, slab_bytes: int) -> Stage
     segs = [s for s in plan.segments if len(s.src_slots)]
     if not segs:
         return StagedProgram((), rows, rps, gpu_to_cpu)
-    if len(segs) == 1 and rows.factor == 1 and len(segs[0].src_slots) <= min(_SMALL, rps):
-        small = _build_small(plan, segs[0], rows, rps, gpu_to_cpu)
-        if small is not None:
-            return small
+    if sum(len(s.src_slots) for s in segs) <= _SMALL:
+        if len(segs) == 1 and rows.factor == 1 and len(segs[0].src_slots) <= rps:
+            whole = _build_consecutive(plan, segs[0], rows, rps, gpu_to_cpu)
+            if whole is not None:
+                return whole
+        return _build_python(plan, segs, rows, rps, gpu_to_cpu)
     bpc = rows.factor
     host = [s.dst_slots if gpu_to_cpu else s.src_slots for s in segs]
     allh = np.concatenate(host) if len(host) > 1 else host[0]
