@@ -3,13 +3,14 @@
 A pool is one anonymous mapping registered once with NIXL (UCX) as DRAM. Each client that
 attaches gets its own region of it, sized by the client (its CPU chunks times its row bytes,
 the row layout of an offloader's own host copy), and moves bytes into and out of it with
-one-sided NIXL reads and writes: the pool's process does no work per transfer. A region is
-returned to the pool when its client's control connection closes, cleanly or not.
+one-sided NIXL reads and writes. A region is zeroed and returned to the pool when its
+client's control connection closes, cleanly or not, so a client never sees another's data.
 """
 
 from __future__ import annotations
 
 import base64
+import ctypes
 import logging
 import os
 import socket
@@ -161,6 +162,9 @@ class RemotePool:
             log.debug("kvasync pool: client dropped: %s", exc)
         finally:
             for start, n in held:
+                # the next client must not read this one's KV: zero before lending again
+                # (a memset: dropping the pages could leave NIXL's registration stale)
+                ctypes.memset(self._mem.ptr + start, 0, n)
                 self._regions.give(start, n)
             with self._lock:
                 self._clients.pop(conn, None)
