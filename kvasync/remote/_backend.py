@@ -241,22 +241,23 @@ class NixlBackend(Backend):
         if any(p.num_descriptors for p in pieces):
             stream.enqueue(self._execute, list(pieces), direction)
 
-    def _descs(self, plan: TransferPlan, direction: Direction) -> tuple[Any, Any, int]:
-        """(local, remote) NIXL descriptor lists of `plan`, bounds-checked."""
-        src, dst, sizes = plan.coalesced()
+    def _descs(self, pieces: list[TransferPlan], direction: Direction) -> tuple[Any, Any]:
+        """(local, remote) NIXL descriptor lists of every piece of a transfer as one list, so
+        a transfer is one NIXL request (the scheduler's pieces bound copy-engine time on a
+        GPU; NIXL splits its own work), bounds-checked."""
+        parts = [p.coalesced() for p in pieces if p.num_descriptors]
+        src, dst, sizes = (np.concatenate(x) for x in zip(*parts))
         local, remote = (src, dst) if direction == "d2h" else (dst, src)
         self._check(local, sizes, self._ranges, "local")
         self._check(remote, sizes, [(self.remote_base, self.remote_base + self.remote_nbytes)],
                     "remote")
         n = len(sizes)
         mem = "VRAM" if self.device == "cuda" else "DRAM"
-        ldev = self.device_id if mem == "VRAM" else 0
         lrows = np.empty((n, 3), dtype=np.uint64)
-        lrows[:, 0], lrows[:, 1], lrows[:, 2] = local, sizes, ldev
+        lrows[:, 0], lrows[:, 1], lrows[:, 2] = local, sizes, self.device_id if mem == "VRAM" else 0
         rrows = np.empty((n, 3), dtype=np.uint64)
         rrows[:, 0], rrows[:, 1], rrows[:, 2] = remote, sizes, 0
-        return (self._agent.get_xfer_descs(lrows, mem),
-                self._agent.get_xfer_descs(rrows, "DRAM"), int(sizes.sum()))
+        return self._agent.get_xfer_descs(lrows, mem), self._agent.get_xfer_descs(rrows, "DRAM")
 
     @staticmethod
     def _check(ptrs: np.ndarray, sizes: np.ndarray, ranges: list[tuple[int, int]],
@@ -271,32 +272,24 @@ class NixlBackend(Backend):
                 f"+{int(sizes[bad])}) lies outside the registered memory")
 
     def _execute(self, pieces: list[TransferPlan], direction: Direction) -> None:
-        """Post every piece, then wait for each (runs on a stream thread)."""
+        """Post the transfer as one NIXL request and wait for it (on a stream thread)."""
         if self.device == "cuda":
             import torch
 
             torch.cuda.set_device(self.device_id)
         op = "WRITE" if direction == "d2h" else "READ"
-        handles: list[Any] = []
+        self._live()
+        local, remote = self._descs(pieces, direction)
         try:
-            for plan in pieces:
-                if not plan.num_descriptors:
-                    continue
-                self._live()
-                local, remote, _ = self._descs(plan, direction)
-                try:
-                    handle = self._agent.initialize_xfer(op, local, remote, self.peer_name)
-                except Exception as exc:
-                    raise TransferFailedError(f"NIXL refused the {op}: {exc}") from exc
-                handles.append(handle)
-                if self._agent.transfer(handle) == "ERR":
-                    raise TransferFailedError(f"NIXL failed to post the {op}")
-            deadline = time.monotonic() + self.timeout
-            for handle in handles:
-                self._wait(handle, op, deadline)
+            handle = self._agent.initialize_xfer(op, local, remote, self.peer_name)
+        except Exception as exc:
+            raise TransferFailedError(f"NIXL refused the {op}: {exc}") from exc
+        try:
+            if self._agent.transfer(handle) == "ERR":
+                raise TransferFailedError(f"NIXL failed to post the {op}")
+            self._wait(handle, op, time.monotonic() + self.timeout)
         finally:
-            for handle in handles:
-                self._release(handle)
+            self._release(handle)
 
     def _live(self) -> None:
         if self.peer_lost.is_set():
