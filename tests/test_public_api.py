@@ -11,7 +11,7 @@ import kvasync
 def test_all_is_sorted_and_complete() -> None:
     assert kvasync.__all__ == sorted(kvasync.__all__)
     public = {n for n in dir(kvasync) if not n.startswith("_")}
-    modules = {"bench", "compat"}  # subpackages, set as attributes once imported
+    modules = {"bench", "compat", "remote", "serve"}  # set as attributes once imported
     assert public - modules - {"annotations"} == set(kvasync.__all__)
     for name in kvasync.__all__:
         assert getattr(kvasync, name).__module__ == "kvasync", name

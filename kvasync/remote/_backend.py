@@ -1,0 +1,355 @@
+"""`NixlBackend`: the backend seam over NIXL, so the scheduler runs remote transfers as is.
+
+The scheduler's rules (per-direction FIFO through end events, urgent lanes, compute-stream
+waits, failures sticking to the transfer that caused them and breaking its direction) come
+for free when a NIXL transfer is just another copy on a stream:
+
+- a stream is a `HostStream` (one ordered worker thread); a copy on it builds the NIXL
+  descriptor lists of a plan, posts one NIXL request (WRITE for stores, READ for loads) and
+  waits for it by polling `check_xfer_state` with a sleep that grows from 20 us to 1 ms, so
+  a waiting stream costs no core; the events are `HostEvent`s, so the completion threads
+  sleep in blocking waits as on the host backend;
+- a request that NIXL reports as failed, that outlives `timeout`, or whose pool went away
+  (its control connection ended) raises on the stream: its transfer fails, every transfer
+  queued behind it in the direction fails, and nothing waits forever.
+
+Local memory is the KV tensors (DRAM on the host, VRAM on a GPU), registered with NIXL when
+the offloader registers them; remote memory is the region of a `RemotePool` this backend
+attached to. Descriptors are the plan's coalesced runs: neighbours contiguous on both sides
+(a chunk's consecutive blocks, whole rows of consecutive chunks) are one descriptor.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .._backends._base import Backend, Direction, Event, HostMemory, Stream
+from .._backends._host import HostEvent, HostStream, _Mark
+from .._errors import (
+    BackendUnavailableError,
+    InvalidTransferError,
+    TransferFailedError,
+)
+from ._nixl import new_agent, parse_address, recv_msg, send_msg
+
+if TYPE_CHECKING:
+    from .._arrays import ArrayInfo
+    from .._descriptors import TransferPlan
+
+__all__ = ["NixlBackend"]
+
+log = logging.getLogger("kvasync")
+
+
+class _DeviceMark(_Mark):
+    """A recording on a CUDA compute stream: complete once its CUDA event completed."""
+
+    __slots__ = ("device_event",)
+
+    def __init__(self, device_event: Any) -> None:
+        super().__init__(done=False)
+        self.device_event = device_event
+
+
+class _TorchCompute(Stream):
+    """A torch CUDA stream as the compute stream a transfer waits on: `record` records a
+    blocking-sync CUDA event there, which the NIXL stream's thread waits for."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+
+    def record(self, event: Event) -> None:
+        import torch
+
+        assert isinstance(event, HostEvent)
+        ev = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
+        ev.record(self.stream)
+        event._mark = _DeviceMark(ev)
+
+    def wait_event(self, event: Event) -> None:
+        raise InvalidTransferError("a compute stream cannot wait on a remote transfer's event")
+
+
+def _wait_device(mark: _DeviceMark) -> None:
+    mark.device_event.synchronize()
+    mark.time = time.perf_counter()
+    mark.flag.set()
+
+
+class _NixlStream(HostStream):
+    """A `HostStream` that can also wait on a CUDA compute stream's recording."""
+
+    def wait_event(self, event: Event) -> None:
+        assert isinstance(event, HostEvent)
+        mark = event._mark
+        if isinstance(mark, _DeviceMark):
+            self.enqueue(_wait_device, mark)
+        else:
+            super().wait_event(event)
+
+
+class NixlBackend(Backend):
+    """Local tensors <-> a region of a remote pool, through one NIXL agent (UCX).
+
+    Connecting attaches a region of `nbytes` (aligned to `align`) of the pool at `peer`; it
+    is the pool's until `close()` or until this process ends.
+    """
+
+    name = "nixl"
+    paths = ("nixl",)
+    poll_from_await = False
+    reads_plan_later = True
+    #: completion-time prediction seeds of the scheduler (learned from completed transfers)
+    initial_bandwidth = 2e9
+    initial_latency = 200e-6
+    #: the poll's sleep: from the first to the last value, doubling
+    POLL_FIRST = 20e-6
+    POLL_MAX = 1e-3
+
+    def __init__(self, peer: str | tuple[str, int], nbytes: int, align: int = 4096, *,
+                 device: str = "cpu", device_id: int = -1, timeout: float = 30.0,
+                 connect_timeout: float = 10.0) -> None:
+        self.device = device
+        self.device_id = max(int(device_id), 0)
+        self.timeout = float(timeout)
+        self._streams: list[_NixlStream] = []
+        self._regs: list[Any] = []
+        self._ranges: list[tuple[int, int]] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        self.peer_lost = threading.Event()
+        self.peer_error = ""
+        host, port = parse_address(peer)
+        try:
+            self._sock = socket.create_connection((host, port), timeout=connect_timeout)
+        except OSError as exc:
+            raise BackendUnavailableError(f"cannot reach the pool at {host}:{port}: {exc}"
+                                          ) from exc
+        self._agent: Any = None
+        try:
+            send_msg(self._sock, {"op": "attach", "nbytes": int(nbytes), "align": int(align)})
+            reply = recv_msg(self._sock)
+            if reply is None:
+                raise BackendUnavailableError(f"the pool at {host}:{port} closed the connection")
+            if not reply.get("ok"):
+                raise InvalidTransferError(f"the pool at {host}:{port} refused: "
+                                           f"{reply.get('error')}")
+            self.remote_base = int(reply["base"])
+            self.remote_nbytes = int(reply["nbytes"])
+            self._agent = new_agent(f"kvasync-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+            self.peer_name = self._agent.add_remote_agent(
+                base64.b64decode(reply["metadata"]))
+            self._sock.settimeout(None)
+        except OSError as exc:
+            self._drop_connection()
+            raise BackendUnavailableError(f"attaching to the pool at {host}:{port}: {exc}"
+                                          ) from exc
+        except BaseException:
+            self._drop_connection()
+            raise
+        self.peer = f"{host}:{port}"
+        self._watcher = threading.Thread(target=self._watch, daemon=True,
+                                         name="kvasync-nixl-peer")
+        self._watcher.start()
+
+    # -- the pool's liveness -------------------------------------------------------------------
+    def _watch(self) -> None:
+        """Block on the control connection; its end means the pool is gone."""
+        try:
+            while True:
+                if not self._sock.recv(4096):
+                    break
+        except OSError:
+            pass
+        if not self._closed:
+            self.peer_error = f"the pool at {self.peer} went away (control connection ended)"
+            log.warning("kvasync: %s", self.peer_error)
+        self.peer_lost.set()
+
+    # -- memory ------------------------------------------------------------------------------
+    def check_device_array(self, info: ArrayInfo, what: str) -> None:
+        want = "cuda" if self.device == "cuda" else "cpu"
+        if info.device != want:
+            raise InvalidTransferError(
+                f"{what}: this remote offloader moves {want} memory, got {info.device} memory")
+
+    def register_array(self, info: ArrayInfo) -> None:
+        if info.nbytes == 0:
+            return
+        lo = info.ptr
+        hi = max(info.ptr + (info.shape[0] - 1) * info.row_stride + info.row_bytes,
+                 info.ptr + info.nbytes)
+        mem = "VRAM" if self.device == "cuda" else "DRAM"
+        with self._lock:
+            self._regs.append(self._agent.register_memory(
+                [(lo, hi - lo, self.device_id if mem == "VRAM" else 0, "")], mem))
+            self._ranges.append((lo, hi))
+
+    def alloc_host(self, nbytes: int, row_bytes: int) -> HostMemory:
+        raise InvalidTransferError("the remote tier keeps its rows in the pool, not locally")
+
+    # -- streams and events ----------------------------------------------------------------
+    def new_stream(self) -> Stream:
+        s = _NixlStream(None, name=f"kvasync-nixl-{len(self._streams)}")
+        self._streams.append(s)
+        return s
+
+    def new_event(self, timing: bool = True) -> Event:
+        return HostEvent()
+
+    def compute_stream(self, override: Any | None) -> Stream | None:
+        if isinstance(override, (HostStream, _TorchCompute)):
+            return override
+        if self.device != "cuda":
+            if override is None:
+                return None  # host writes are synchronous: nothing is pending
+            raise InvalidTransferError(
+                f"a host compute stream must be a HostStream, got {type(override)}")
+        import torch
+
+        if override is None:
+            return _TorchCompute(torch.cuda.current_stream(self.device_id))
+        if isinstance(override, torch.cuda.Stream):
+            return _TorchCompute(override)
+        raise InvalidTransferError(
+            f"the compute stream must be a torch.cuda.Stream, got {type(override)}")
+
+    # -- copies ----------------------------------------------------------------------------
+    def resolve_path(self, path: str, direction: Direction, plan: TransferPlan,
+                     host_pinned: bool, urgent: bool = False, other_busy: bool = False) -> str:
+        return "nixl"
+
+    def enqueue_copy(self, stream: Stream, plan: TransferPlan, direction: Direction,
+                     path: str) -> None:
+        self.enqueue_pieces(stream, [plan], direction, path)
+
+    def enqueue_pieces(self, stream: Stream, pieces: Sequence[TransferPlan],
+                       direction: Direction, path: str) -> None:
+        if path not in ("nixl", "auto"):
+            raise InvalidTransferError(f"the remote tier has no copy path {path!r}")
+        assert isinstance(stream, HostStream)
+        if any(p.num_descriptors for p in pieces):
+            stream.enqueue(self._execute, list(pieces), direction)
+
+    def _descs(self, pieces: list[TransferPlan], direction: Direction) -> tuple[Any, Any]:
+        """(local, remote) NIXL descriptor lists of every piece of a transfer as one list, so
+        a transfer is one NIXL request (the scheduler's pieces bound copy-engine time on a
+        GPU; NIXL splits its own work), bounds-checked."""
+        parts = [p.coalesced() for p in pieces if p.num_descriptors]
+        src, dst, sizes = (np.concatenate(x) for x in zip(*parts))
+        local, remote = (src, dst) if direction == "d2h" else (dst, src)
+        self._check(local, sizes, self._ranges, "local")
+        self._check(remote, sizes, [(self.remote_base, self.remote_base + self.remote_nbytes)],
+                    "remote")
+        n = len(sizes)
+        mem = "VRAM" if self.device == "cuda" else "DRAM"
+        lrows = np.empty((n, 3), dtype=np.uint64)
+        lrows[:, 0], lrows[:, 1], lrows[:, 2] = local, sizes, self.device_id if mem == "VRAM" else 0
+        rrows = np.empty((n, 3), dtype=np.uint64)
+        rrows[:, 0], rrows[:, 1], rrows[:, 2] = remote, sizes, 0
+        return self._agent.get_xfer_descs(lrows, mem), self._agent.get_xfer_descs(rrows, "DRAM")
+
+    @staticmethod
+    def _check(ptrs: np.ndarray, sizes: np.ndarray, ranges: list[tuple[int, int]],
+               side: str) -> None:
+        ok = np.zeros(len(ptrs), dtype=bool)
+        for lo, hi in ranges:
+            ok |= (ptrs >= np.uint64(lo)) & (ptrs + sizes <= np.uint64(hi))
+        if not ok.all():
+            bad = int(np.flatnonzero(~ok)[0])
+            raise TransferFailedError(
+                f"illegal address: {side} descriptor {bad} [{int(ptrs[bad]):#x}, "
+                f"+{int(sizes[bad])}) lies outside the registered memory")
+
+    def _execute(self, pieces: list[TransferPlan], direction: Direction) -> None:
+        """Post the transfer as one NIXL request and wait for it (on a stream thread)."""
+        if self.device == "cuda":
+            import torch
+
+            torch.cuda.set_device(self.device_id)
+        op = "WRITE" if direction == "d2h" else "READ"
+        self._live()
+        local, remote = self._descs(pieces, direction)
+        try:
+            handle = self._agent.initialize_xfer(op, local, remote, self.peer_name)
+        except Exception as exc:
+            raise TransferFailedError(f"NIXL refused the {op}: {exc}") from exc
+        try:
+            if self._agent.transfer(handle) == "ERR":
+                raise TransferFailedError(f"NIXL failed to post the {op}")
+            self._wait(handle, op, time.monotonic() + self.timeout)
+        finally:
+            self._release(handle)
+
+    def _live(self) -> None:
+        if self.peer_lost.is_set():
+            raise TransferFailedError(self.peer_error or "the remote offloader is closed")
+
+    def _wait(self, handle: Any, op: str, deadline: float) -> None:
+        delay = self.POLL_FIRST
+        while True:
+            state = self._agent.check_xfer_state(handle)
+            if state == "DONE":
+                return
+            if state != "PROC":
+                raise TransferFailedError(f"NIXL reported the {op} as failed ({state})")
+            self._live()
+            if time.monotonic() > deadline:
+                raise TransferFailedError(
+                    f"the {op} to {self.peer} did not finish within {self.timeout} s")
+            self.peer_lost.wait(delay)
+            delay = min(delay * 2, self.POLL_MAX)
+
+    def _release(self, handle: Any) -> None:
+        try:
+            self._agent.release_xfer_handle(handle)
+        except Exception as exc:  # still active and not cancellable: the agent keeps it
+            log.debug("kvasync: releasing a NIXL request failed: %s", exc)
+
+    # -- shutdown ----------------------------------------------------------------------------
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self.peer_error = self.peer_error or "the remote offloader is closed"
+        self.peer_lost.set()  # a stream still polling gives up at once
+        streams, self._streams = self._streams, []
+        for s in streams:
+            s.close()
+        agent = self._agent
+        for reg in self._regs:
+            try:
+                agent.deregister_memory(reg)
+            except Exception as exc:
+                log.warning("kvasync: deregistering local memory failed: %s", exc)
+        self._regs.clear()
+        try:
+            agent.remove_remote_agent(self.peer_name)
+        except Exception as exc:
+            log.debug("kvasync: removing the pool's agent failed: %s", exc)
+        self._drop_connection()
+        self._watcher.join(timeout=10)
+        self._agent = None
+
+    def _drop_connection(self) -> None:
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+
+    @property
+    def live_threads(self) -> int:
+        return sum(1 for s in self._streams if s.alive) + int(
+            getattr(self, "_watcher", None) is not None and self._watcher.is_alive())

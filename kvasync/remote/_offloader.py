@@ -1,0 +1,236 @@
+"""`RemoteOffloader`: the offloader's store/load API with its host rows in a remote pool.
+
+The same pieces as `Offloader`, wired to a `NixlBackend` instead of a local device: requests
+are validated and planned by `build_plan` over a `RefTable` whose host side is the pool
+region's rows (the row-contiguous layout of an offloader's own host copy), before anything
+is enqueued; the four `DirectionQueue` lanes give per-direction FIFO order, urgent lanes and
+failures on the transfer that caused them; results are the same `Transfer`/`TransferResult`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .._backends import Direction, Stream
+from .._completion import CompletionEngine
+from .._descriptors import RefTable, SideGeometry, TransferPlan, build_plan, build_ref_table
+from .._errors import (
+    InvalidTransferError,
+    OffloaderBrokenError,
+    OffloaderClosedError,
+    TransferFailedError,
+)
+from .._hostmem import row_offsets
+from .._layout import KVCacheLayout
+from .._scheduler import DirectionQueue
+from .._transfer import Transfer
+from ._backend import NixlBackend
+
+__all__ = ["RemoteOffloader"]
+
+Ids = Sequence[int] | np.ndarray
+
+
+class RemoteOffloader:
+    """Moves blocks of `layout` between its tensors and `num_cpu_chunks` chunk rows held by
+    the `RemotePool` at `peer` ("HOST:PORT"), through NIXL.
+
+    `store()` / `load()` take the arguments of `Offloader.store` / `load` and return a
+    submitted `Transfer`; stores and loads are each FIFO, `urgent=True` uses the direction's
+    urgent lane. A transfer that NIXL fails, that takes longer than `timeout` seconds, or
+    that the pool's end interrupts fails with `TransferFailedError`, and its direction then
+    refuses new work. The rows stay the pool's until `close()` (or this process's end).
+    On the host the tensors are NumPy/CPU arrays (DRAM); torch CUDA tensors move as VRAM.
+    """
+
+    def __init__(
+        self,
+        layout: KVCacheLayout,
+        num_cpu_chunks: int,
+        blocks_per_chunk: int = 1,
+        *,
+        peer: str | tuple[str, int],
+        canonical: bool = False,
+        compute_stream: Any | None = None,
+        max_streams: int = 4,
+        completion: str = "hybrid",
+        timeout: float = 30.0,
+    ) -> None:
+        if not isinstance(layout, KVCacheLayout):
+            raise InvalidTransferError(f"layout must be a KVCacheLayout, got {type(layout)}")
+        for name, value, low in (("num_cpu_chunks", num_cpu_chunks, 1),
+                                 ("blocks_per_chunk", blocks_per_chunk, 1),
+                                 ("max_streams", max_streams, 1)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+                raise InvalidTransferError(f"{name} must be an int >= {low}, got {value!r}")
+        if not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise InvalidTransferError(f"timeout must be a number > 0, got {timeout!r}")
+        self.layout = layout
+        self.num_cpu_chunks = int(num_cpu_chunks)
+        self.blocks_per_chunk = int(blocks_per_chunk)
+        self.canonical = bool(canonical)
+        first = layout.tensors[0].info
+        if first.device not in ("cpu", "cuda"):
+            raise InvalidTransferError(f"unsupported tensor device {first.device!r}")
+        canon = layout.canonical_bytes_per_block() if self.canonical else None
+        sub = canon if canon is not None else [t.page for t in layout.tensors]
+        pages = [s * self.blocks_per_chunk for s in sub]
+        offsets, self.row_bytes = row_offsets(layout, pages)
+        self.backend = NixlBackend(peer, self.num_cpu_chunks * self.row_bytes, 4096,
+                                   device=first.device, device_id=first.device_id,
+                                   timeout=float(timeout))
+        try:
+            for i, t in enumerate(layout.tensors):
+                self.backend.check_device_array(t.info, f"KV tensor {i}")
+                self.backend.register_array(t.info)
+            self._compute_override = compute_stream
+            self.backend.compute_stream(compute_stream)  # validate early
+        except BaseException:
+            self.backend.close()
+            raise
+        base = self.backend.remote_base
+        gpu_geo = SideGeometry(
+            base=[t.info.ptr for t in layout.tensors],
+            row_stride=[t.info.row_stride if t.num_blocks > 1 else t.info.row_bytes
+                        for t in layout.tensors],
+            sub_stride=[0] * len(layout.tensors),
+            num_rows=[t.num_blocks for t in layout.tensors],
+            factor=1,
+        )
+        host_geo = SideGeometry(
+            base=[base + off for off in offsets],
+            row_stride=[self.row_bytes] * len(offsets),
+            sub_stride=list(sub),
+            num_rows=[self.num_cpu_chunks] * len(offsets),
+            factor=self.blocks_per_chunk,
+        )
+        self._tables: dict[Direction, RefTable] = {
+            "d2h": build_ref_table(layout, gpu_geo, host_geo, True, self.canonical),
+            "h2d": build_ref_table(layout, gpu_geo, host_geo, False, self.canonical),
+        }
+        self._engine = CompletionEngine(completion)
+        lanes: list[tuple[Direction, bool]] = [("d2h", False), ("h2d", False),
+                                               ("d2h", True), ("h2d", True)]
+        self._queues = {lane: DirectionQueue(self.backend, lane[0], self._engine,
+                                             max_streams, lane[1]) for lane in lanes}
+        self._job_ids = itertools.count()
+        self._submit_lock = threading.Lock()
+        self._closed = False
+
+    # -- public API ---------------------------------------------------------------------------
+    @property
+    def peer(self) -> str:
+        """The pool's control address."""
+        return self.backend.peer
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def broken(self) -> bool:
+        """True once a transfer failed or the pool went away."""
+        return (self.backend.peer_lost.is_set() and not self._closed) or any(
+            q.failure is not None for q in self._queues.values())
+
+    def store(self, gpu_blocks: Ids, cpu_chunks: Ids, group_sizes: Sequence[int] | None = None,
+              block_indices: Sequence[int] | None = None, *, job_id: int | None = None,
+              stream: Any | None = None, urgent: bool = False) -> Transfer:
+        """Copy blocks into the pool's chunk rows; returns the submitted Transfer.
+
+        Arguments as for `Offloader.store`."""
+        return self._submit("d2h", gpu_blocks, cpu_chunks, group_sizes, block_indices,
+                            job_id, stream, urgent)
+
+    def load(self, cpu_chunks: Ids, gpu_blocks: Ids, group_sizes: Sequence[int] | None = None,
+             block_indices: Sequence[int] | None = None, *, job_id: int | None = None,
+             stream: Any | None = None, urgent: bool = False) -> Transfer:
+        """Copy the pool's chunk rows into blocks; returns the submitted Transfer.
+
+        Arguments as for `Offloader.load`."""
+        return self._submit("h2d", gpu_blocks, cpu_chunks, group_sizes, block_indices,
+                            job_id, stream, urgent)
+
+    def _submit(self, direction: Direction, gpu_blocks: Ids, cpu_chunks: Ids,
+                group_sizes: Sequence[int] | None, block_indices: Sequence[int] | None,
+                job_id: int | None, stream: Any | None, urgent: bool) -> Transfer:
+        if self._closed:
+            raise OffloaderClosedError("the remote offloader is closed")
+        plan = build_plan(self._tables[direction], gpu_blocks, cpu_chunks, group_sizes,
+                          block_indices, direction == "d2h", self.num_cpu_chunks, True)
+        return self._enqueue(direction, plan, job_id, stream, urgent)
+
+    def _enqueue(self, direction: Direction, plan: TransferPlan, job_id: int | None,
+                 stream: Any | None, urgent: bool = False) -> Transfer:
+        if job_id is not None and (isinstance(job_id, bool) or not isinstance(job_id, int)):
+            raise InvalidTransferError(f"job_id must be an int, got {job_id!r}")
+        compute: Stream | None = self.backend.compute_stream(
+            stream if stream is not None else self._compute_override)
+        if self.backend.peer_lost.is_set() and not self._closed:
+            raise OffloaderBrokenError(self.backend.peer_error, job_id)
+        if job_id is None:
+            with self._submit_lock:
+                job_id = next(self._job_ids)
+        return self._queues[(direction, bool(urgent))].submit(plan, job_id, "nixl", compute)
+
+    # -- draining and closing ------------------------------------------------------------------
+    async def drain(self) -> None:
+        """Wait until every submitted transfer finished (failures stay on their transfers)."""
+        for last in [q.last_transfer for q in self._queues.values()]:
+            if last is not None:
+                try:
+                    await last
+                except TransferFailedError:
+                    pass
+
+    def drain_sync(self, timeout: float | None = None) -> bool:
+        """Block until every submitted transfer finished; False on timeout."""
+        return all(q.drain(timeout) for q in self._queues.values())
+
+    def close(self, timeout: float | None = None) -> None:
+        """Drain, stop threads, deregister the tensors and give the rows back to the pool.
+        Idempotent and thread-safe; a pool that died does not make it hang (every transfer
+        ends by the backend's timeout at the latest)."""
+        with self._submit_lock:
+            if self._closed:
+                return
+            self._closed = True
+        for q in self._queues.values():
+            q.close(timeout)
+        self._engine.close()
+        self.backend.close()
+
+    async def aclose(self) -> None:
+        await self.drain()
+        self.close()
+
+    async def __aenter__(self) -> RemoteOffloader:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def __enter__(self) -> RemoteOffloader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return (f"<RemoteOffloader {self.peer} {len(self.layout.tensors)} tensors "
+                f"{self.num_cpu_chunks} chunks x {self.blocks_per_chunk} blocks {state}>")
+
+    def _resources(self) -> dict[str, int]:
+        """Live threads and in-flight transfers (for tests that count what close releases)."""
+        return {
+            "completion_threads": sum(q.thread_alive for q in self._queues.values()),
+            "resolver_tasks": self._engine.num_tasks,
+            "stream_threads": self.backend.live_threads,
+            "inflight": sum(q.inflight for q in self._queues.values()),
+        }

@@ -1,0 +1,62 @@
+"""``python -m kvasync.serve --pool-bytes N --listen HOST:PORT``: run a `RemotePool`.
+
+Prints one line ``kvasync pool NAME listening on HOST:PORT (N B)`` once it serves, and runs
+until SIGINT or SIGTERM, then disconnects its clients, deregisters and frees the pool, and
+exits 0. The control port hands out NIXL metadata to whoever connects: loopback (the
+default) or a trusted network only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from types import FrameType
+
+__all__ = ["main"]
+
+
+def _size(text: str) -> int:
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    t = text.strip().lower().removesuffix("ib").removesuffix("b")
+    mult = units.get(t[-1:], 1)
+    value = int(float(t[:-1] if t[-1:] in units else t) * mult)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"pool size must be >= 1 B, got {text!r}")
+    return value
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvasync.serve", description=__doc__)
+    parser.add_argument("--pool-bytes", type=_size, required=True,
+                        help="host memory to serve, e.g. 8GiB or 1073741824")
+    parser.add_argument("--listen", default="127.0.0.1:0",
+                        help="control address HOST:PORT (port 0: any free port)")
+    parser.add_argument("--name", default=None, help="the pool's NIXL agent name")
+    args = parser.parse_args(argv)
+
+    from .remote import RemotePool
+
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    pool = RemotePool(args.pool_bytes, args.listen, name=args.name)
+    try:
+        host, port = pool.address
+        print(f"kvasync pool {pool.name} listening on {host}:{port} ({pool.pool_bytes} B)",
+              flush=True)
+        while not stop.wait(0.5):
+            pass
+    finally:
+        pool.close()
+    print("kvasync pool closed", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,226 @@
+"""Bad requests rejected before enqueue, failures on the transfer that caused them, a pool
+killed mid-transfer, and the pool process's own lifecycle."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+from remote_support import ROOT, PoolProcess, needs_nixl, pool_process
+
+import kvasync as kv
+from kvasync._descriptors import TransferPlan
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _make(address: str, blocks: int = 64, page: int = 4096, chunks: int = 32,
+          timeout: float = 20.0):
+    from kvasync.remote import RemoteOffloader
+
+    rng = np.random.default_rng(5)
+    kvs = [rng.integers(0, 256, (blocks, page), dtype=np.uint8) for _ in range(2)]
+    off = RemoteOffloader(kv.KVCacheLayout.from_tensors(kvs), chunks, peer=address,
+                          timeout=timeout)
+    return kvs, off
+
+
+@needs_nixl
+@pytest.mark.parametrize("call", [
+    lambda off: off.store([0], [32]),            # chunk id out of range
+    lambda off: off.store([64], [0]),            # block id out of range
+    lambda off: off.store([0, 1], [0]),          # ids do not match
+    lambda off: off.load([0, 0], [1, 2]),        # fine for loads: one chunk into two blocks
+    lambda off: off.load([0, 1], [3, 3]),        # two chunks into one block
+    lambda off: off.store([0], [-1]),
+    lambda off: off.store(["a"], [0]),
+    lambda off: off.store([0], [0], job_id="x"),
+    lambda off: off.store([0], [0], stream=object()),
+])
+def test_bad_requests_rejected_before_enqueue(pool: PoolProcess, call) -> None:
+    kvs, off = _make(pool.address)
+    try:
+        try:
+            t = call(off)
+        except kv.InvalidTransferError:
+            assert off._resources()["inflight"] == 0
+            assert all(q.last_transfer is None for q in off._queues.values())
+            assert off.store([0], [0]).wait(20).job_id == 0  # nothing consumed a job id
+        else:
+            assert t.wait(20).success  # the one valid case
+    finally:
+        off.close()
+
+
+@needs_nixl
+def test_descriptor_outside_the_region_fails_its_transfer_only(pool: PoolProcess) -> None:
+    """A raw plan pointing past the pool region fails that transfer, the ones queued behind
+    it in the direction, and leaves the other direction working."""
+    kvs, off = _make(pool.address)
+    try:
+        ok = off.store([1], [1]).wait(20)
+        assert ok.success
+        table = off._tables["d2h"]
+        end = off.backend.remote_base + off.backend.remote_nbytes
+        src = np.array([kvs[0].ctypes.data], dtype=np.uint64)
+        dst = np.array([end - 100], dtype=np.uint64)
+        plan = TransferPlan.raw(table, src, dst, np.array([4096], dtype=np.uint64))
+        bad = off._enqueue("d2h", plan, None, None)
+        behind = off.store([2], [2])
+        with pytest.raises(kv.TransferFailedError, match="outside the registered") as e:
+            bad.wait(20)
+        assert e.value.job_id == bad.job_id
+        with pytest.raises(kv.TransferFailedError, match="queued behind"):
+            behind.wait(20)
+        with pytest.raises(kv.OffloaderBrokenError):
+            off.store([3], [3])
+        assert off.load([1], [5]).wait(20).success  # loads are independent
+        np.testing.assert_array_equal(kvs[0][5], kvs[0][1])
+    finally:
+        off.close()
+
+
+@needs_nixl
+@pytest.mark.asyncio
+async def test_pool_killed_mid_transfer_fails_transfers_and_nothing_hangs() -> None:
+    with pool_process(512 << 20) as pool:
+        kvs, off = _make(pool.address, blocks=4096, page=4096, chunks=4096, timeout=60)
+        try:
+            first = await off.store(list(range(64)), list(range(64)))
+            assert first.success
+            # ~64 MiB per store of scattered 4 KiB pages: tens of milliseconds each here
+            ts = [off.store(list(range(4096)), list(range(4096))) for _ in range(8)]
+            loads = [off.load(list(range(4096)), list(range(4096))) for _ in range(4)]
+            await asyncio.sleep(0.05)
+            pool.kill()
+            t0 = time.monotonic()
+            outcomes = await asyncio.gather(*ts, *loads, return_exceptions=True)
+            assert time.monotonic() - t0 < 30
+            failed = [o for o in outcomes if isinstance(o, BaseException)]
+            assert failed, "killing the pool failed no transfer"
+            assert all(isinstance(o, kv.TransferFailedError) for o in failed)
+            # once one failed, every later one of its direction failed too (FIFO)
+            for group in (outcomes[:8], outcomes[8:]):
+                flags = [isinstance(o, BaseException) for o in group]
+                assert flags == sorted(flags)
+            with pytest.raises(kv.TransferFailedError):
+                off.store([0], [0])
+        finally:
+            t0 = time.monotonic()
+            off.close()
+            assert time.monotonic() - t0 < 30
+        res = off._resources()
+        assert res["stream_threads"] == 0 and res["completion_threads"] == 0
+
+
+@needs_nixl
+def test_pool_refuses_what_it_cannot_hold() -> None:
+    from kvasync.remote import RemoteOffloader
+
+    with pool_process(1 << 20) as pool:
+        kvs = [np.zeros((8, 4096), np.uint8)]
+        layout = kv.KVCacheLayout.from_tensors(kvs)
+        with pytest.raises(kv.InvalidTransferError, match="no free region"):
+            RemoteOffloader(layout, 1024, peer=pool.address)
+        with RemoteOffloader(layout, 128, peer=pool.address) as off:  # 512 KiB fits
+            assert off.store([0], [0]).wait(20).success
+
+
+@needs_nixl
+def test_unreachable_pool() -> None:
+    import socket
+
+    from kvasync.remote import RemoteOffloader
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    layout = kv.KVCacheLayout.from_tensors([np.zeros((8, 64), np.uint8)])
+    with pytest.raises(kv.BackendUnavailableError, match="cannot reach"):
+        RemoteOffloader(layout, 4, peer=f"127.0.0.1:{port}")
+
+
+@needs_nixl
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_serve_shuts_down_cleanly_with_a_client_attached(sig: int) -> None:
+    from kvasync.remote import RemoteOffloader
+
+    pool = PoolProcess(8 << 20)
+    kvs = [np.ones((8, 4096), np.uint8)]
+    off = RemoteOffloader(kv.KVCacheLayout.from_tensors(kvs), 8, peer=pool.address)
+    try:
+        assert off.store([0], [0]).wait(20).success
+        rc, out, err = pool.stop(sig)
+        assert rc == 0, err
+        assert "kvasync pool closed" in out
+        deadline = time.monotonic() + 10
+        while not off.broken and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert off.broken  # the client noticed its pool went away
+    finally:
+        off.close()
+
+
+@needs_nixl
+def test_pool_frees_and_zeroes_a_region_when_its_client_goes() -> None:
+    from kvasync.remote import RemoteOffloader, RemotePool
+
+    with RemotePool(4 << 20) as pool:
+        addr = f"{pool.address[0]}:{pool.address[1]}"
+        kvs = [np.full((8, 4096), 7, np.uint8)]
+        layout = kv.KVCacheLayout.from_tensors(kvs)
+        with RemoteOffloader(layout, 8, peer=addr) as off:
+            assert pool.free_bytes == pool.pool_bytes - 8 * 4096
+            off.store(list(range(8)), list(range(8))).wait(20)
+        deadline = time.monotonic() + 10
+        while pool.free_bytes != pool.pool_bytes and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert pool.free_bytes == pool.pool_bytes and pool.num_clients == 0
+        # a client process killed while attached gives its region back too
+        code = ("import sys, time, numpy as np, kvasync as kv\n"
+                "from kvasync.remote import RemoteOffloader\n"
+                "t=[np.ones((8,4096),np.uint8)]\n"
+                f"o=RemoteOffloader(kv.KVCacheLayout.from_tensors(t), 8, peer='{addr}')\n"
+                "o.store([0],[0]).wait(20); print('attached', flush=True); time.sleep(60)\n")
+        child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                                 text=True, cwd=ROOT)
+        assert child.stdout is not None and child.stdout.readline().strip() == "attached"
+        assert pool.free_bytes < pool.pool_bytes
+        child.kill()
+        child.wait(20)
+        deadline = time.monotonic() + 10
+        while pool.free_bytes != pool.pool_bytes and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert pool.free_bytes == pool.pool_bytes
+        with RemoteOffloader(layout, 8, peer=addr) as off:  # reads back zeros
+            kvs[0][:] = 1
+            off.load(list(range(8)), list(range(8))).wait(20)
+            assert not kvs[0].any()
+    assert threading.active_count() < 50
+
+
+def test_import_never_imports_nixl() -> None:
+    code = ("import sys, kvasync, kvasync.remote, kvasync.serve\n"
+            "bad = [m for m in sys.modules if m.split('.')[0].startswith('nixl')]\n"
+            "assert not bad, bad\n")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=60)
+
+
+def test_missing_nixl_names_the_extra() -> None:
+    """Without NIXL the first pool raises BackendUnavailableError naming kvasync[nixl]."""
+    code = ("import sys\n"
+            "for m in ('nixl_cu13', 'nixl_cu12', 'nixl'): sys.modules[m] = None\n"
+            "import kvasync as kv\n"
+            "from kvasync.remote import RemotePool\n"
+            "try:\n    RemotePool(1 << 20)\nexcept kv.BackendUnavailableError as e:\n"
+            "    assert 'kvasync[nixl]' in str(e), e; print('ok')\n")
+    out = subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=60,
+                         capture_output=True, text=True).stdout
+    assert out.strip() == "ok"
