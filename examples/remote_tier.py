@@ -63,14 +63,14 @@ async def main() -> None:
     proc, address = start_pool(args.blocks * page * args.tensors + (64 << 20))
     try:
         async with RemoteOffloader(layout, args.blocks, peer=address) as off:
-            await off.store(conversation[:8], chunks[:8])  # connection set-up, not timed
+            await off.store(gpu_blocks=conversation[:8], cpu_chunks=chunks[:8])  # connection set-up, not timed
             t0 = time.perf_counter()
-            stored = await off.store(conversation, chunks)
+            stored = await off.store(gpu_blocks=conversation, cpu_chunks=chunks)
             t1 = time.perf_counter()
             for t in kvs:
                 t[conversation] = 0  # the GPU blocks are reused by another request
             t2 = time.perf_counter()
-            loaded = await off.load(chunks, conversation)
+            loaded = await off.load(cpu_chunks=chunks, gpu_blocks=conversation)
             t3 = time.perf_counter()
         back = [t.cpu().numpy() if args.cuda else t for t in kvs]
         ok = all(np.array_equal(b, h) for b, h in zip(back, host))

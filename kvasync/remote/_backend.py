@@ -226,7 +226,8 @@ class NixlBackend(Backend):
 
     # -- copies ----------------------------------------------------------------------------
     def resolve_path(self, path: str, direction: Direction, plan: TransferPlan,
-                     host_pinned: bool, urgent: bool = False, other_busy: bool = False) -> str:
+                     host_pinned: bool, urgent: bool = False, other_busy: bool = False,
+                     layered: bool = False) -> str:
         return "nixl"
 
     def enqueue_copy(self, stream: Stream, plan: TransferPlan, direction: Direction,

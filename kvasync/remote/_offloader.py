@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
+from .._arguments import ids_by_keyword
 from .._backends import Direction, Stream
 from .._completion import CompletionEngine
 from .._descriptors import RefTable, SideGeometry, TransferPlan, build_plan, build_ref_table
@@ -138,8 +140,10 @@ class RemoteOffloader:
         return (self.backend.peer_lost.is_set() and not self._closed) or any(
             q.failure is not None for q in self._queues.values())
 
-    def store(self, gpu_blocks: Ids, cpu_chunks: Ids, group_sizes: Sequence[int] | None = None,
-              block_indices: Sequence[int] | None = None, *, job_id: int | None = None,
+    @ids_by_keyword("store(gpu_blocks=[...], cpu_chunks=[...])")
+    def store(self, *, gpu_blocks: Ids, cpu_chunks: Ids,
+              group_sizes: Sequence[int] | None = None,
+              block_indices: Sequence[int] | None = None, job_id: int | None = None,
               stream: Any | None = None, urgent: bool = False) -> Transfer:
         """Copy blocks into the pool's chunk rows; returns the submitted Transfer.
 
@@ -147,8 +151,10 @@ class RemoteOffloader:
         return self._submit("d2h", gpu_blocks, cpu_chunks, group_sizes, block_indices,
                             job_id, stream, urgent)
 
-    def load(self, cpu_chunks: Ids, gpu_blocks: Ids, group_sizes: Sequence[int] | None = None,
-             block_indices: Sequence[int] | None = None, *, job_id: int | None = None,
+    @ids_by_keyword("load(cpu_chunks=[...], gpu_blocks=[...])")
+    def load(self, *, cpu_chunks: Ids, gpu_blocks: Ids,
+             group_sizes: Sequence[int] | None = None,
+             block_indices: Sequence[int] | None = None, job_id: int | None = None,
              stream: Any | None = None, urgent: bool = False) -> Transfer:
         """Copy the pool's chunk rows into blocks; returns the submitted Transfer.
 
@@ -200,10 +206,20 @@ class RemoteOffloader:
             if self._closed:
                 return
             self._closed = True
-        for q in self._queues.values():
-            q.close(timeout)
+        queues = list(self._queues.values())
+        for q in queues:
+            q.refuse_new()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for q in queues:
+            q.drain(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        for q in queues:
+            q.request_stop()
+        for q in queues:
+            q.join_thread(timeout)
         self._engine.close()
         self.backend.close()
+        for q in queues:
+            q.forget_pools()
 
     async def aclose(self) -> None:
         await self.drain()

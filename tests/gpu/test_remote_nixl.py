@@ -38,11 +38,11 @@ async def test_vram_round_trip_matches(bpc: int) -> None:
                                    peer=pool.address) as off:
             blocks = list(range(3, 3 + 64 * bpc - 1))  # the last chunk partial
             chunks = list(range(64))
-            r = await off.store(blocks, chunks)
+            r = await off.store(gpu_blocks=blocks, cpu_chunks=chunks)
             assert r.success and r.bytes == len(blocks) * 4 * 16384
             for t in kvs:
                 t[3:200].zero_()
-            await off.load(chunks, blocks)
+            await off.load(cpu_chunks=chunks, gpu_blocks=blocks)
             for t, w in zip(kvs, want):
                 assert bool((t == w).all())
 
@@ -62,8 +62,8 @@ async def test_store_waits_for_the_compute_stream() -> None:
             torch.cuda._sleep(50_000_000)  # keep the stream busy, then write
             for t in kvs:
                 t[5].fill_(42)
-            await off.store([5], [0])
-            await off.load([0], [6])
+            await off.store(gpu_blocks=[5], cpu_chunks=[0])
+            await off.load(cpu_chunks=[0], gpu_blocks=[6])
             for t in kvs:
                 assert bool((t[6] == 42).all())
 
@@ -76,10 +76,10 @@ async def test_many_awaiters_fifo_from_vram() -> None:
     with pool_process(256 << 20) as pool:
         async with RemoteOffloader(kv.KVCacheLayout.from_tensors(kvs), 64,
                                    peer=pool.address) as off:
-            ts = [off.store([i], [0]) for i in range(32)]
+            ts = [off.store(gpu_blocks=[i], cpu_chunks=[0]) for i in range(32)]
             got = await asyncio.gather(*ts)
             assert [r.job_id for r in got] == [t.job_id for t in ts]
-            await off.load([0], [100])
+            await off.load(cpu_chunks=[0], gpu_blocks=[100])
             for t in kvs:
                 assert bool((t[100] == t[31]).all())
             assert np.isfinite(got[-1].seconds)

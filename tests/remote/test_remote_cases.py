@@ -50,8 +50,8 @@ async def _readback(local: kv.Offloader, remote: kv.remote.RemoteOffloader,
         ids_c = part * ngroups
         ids_b = blocks * ngroups
         sizes = [len(blocks)] * ngroups
-        await local.load(ids_c, ids_b, sizes, [0] * ngroups)
-        await remote.load(ids_c, ids_b, sizes, [0] * ngroups)
+        await local.load(cpu_chunks=ids_c, gpu_blocks=ids_b, group_sizes=sizes, block_indices=[0] * ngroups)
+        await remote.load(cpu_chunks=ids_c, gpu_blocks=ids_b, group_sizes=sizes, block_indices=[0] * ngroups)
         for x, y in zip(a, b):
             np.testing.assert_array_equal(x, y)
 
@@ -68,15 +68,15 @@ async def test_store_then_load_matches_local(pool: PoolProcess, bpc: int, page: 
             skip = int(rng.integers(0, bpc))
             n = 5 * bpc - skip - int(rng.integers(0, bpc))
             blocks = rng.choice(NUM_BLOCKS, size=n, replace=False).tolist()
-            r1 = await local.store(blocks, chunks, [n], [skip])
-            r2 = await remote.store(blocks, chunks, [n], [skip])
+            r1 = await local.store(gpu_blocks=blocks, cpu_chunks=chunks, group_sizes=[n], block_indices=[skip])
+            r2 = await remote.store(gpu_blocks=blocks, cpu_chunks=chunks, group_sizes=[n], block_indices=[skip])
             assert (r1.success, r1.bytes) == (r2.success, r2.bytes)
             # a load of other chunks into other blocks, mid-chunk as well
             chunks2 = rng.choice(NUM_CHUNKS, size=3, replace=False).tolist()
             m = 3 * bpc - skip
             blocks2 = rng.choice(NUM_BLOCKS, size=m, replace=False).tolist()
-            r1 = await local.load(chunks2, blocks2, [m], [skip])
-            r2 = await remote.load(chunks2, blocks2, [m], [skip])
+            r1 = await local.load(cpu_chunks=chunks2, gpu_blocks=blocks2, group_sizes=[m], block_indices=[skip])
+            r2 = await remote.load(cpu_chunks=chunks2, gpu_blocks=blocks2, group_sizes=[m], block_indices=[skip])
             assert r1.bytes == r2.bytes
             for x, y in zip(a, b):
                 np.testing.assert_array_equal(x, y, f"round {rnd}")
@@ -103,13 +103,13 @@ async def test_groups_with_skips_match_local(pool: PoolProcess) -> None:
             chunks += list(range(nxt, nxt + used))
             blocks += list(range(10, 10 + n))
             nxt += used
-        r1 = await local.store(blocks, chunks, sizes, skips)
-        r2 = await remote.store(blocks, chunks, sizes, skips)
+        r1 = await local.store(gpu_blocks=blocks, cpu_chunks=chunks, group_sizes=sizes, block_indices=skips)
+        r2 = await remote.store(gpu_blocks=blocks, cpu_chunks=chunks, group_sizes=sizes, block_indices=skips)
         assert r1.bytes == r2.bytes > 0
         for x in a + b:
             x[10:30] = 0
-        r1 = await local.load(chunks, blocks, sizes, skips)
-        r2 = await remote.load(chunks, blocks, sizes, skips)
+        r1 = await local.load(cpu_chunks=chunks, gpu_blocks=blocks, group_sizes=sizes, block_indices=skips)
+        r2 = await remote.load(cpu_chunks=chunks, gpu_blocks=blocks, group_sizes=sizes, block_indices=skips)
         assert r1.bytes == r2.bytes
         for x, y in zip(a, b):
             np.testing.assert_array_equal(x, y)
@@ -129,11 +129,11 @@ async def test_conversation_round_trip_and_sync_wait(pool: PoolProcess) -> None:
     want = [t.copy() for t in kvs]
     layout = kv.KVCacheLayout.from_tensors(kvs)
     with RemoteOffloader(layout, 32, 2, peer=pool.address) as off:
-        res = off.store(list(range(40)), list(range(20)), job_id=77).wait(20)
+        res = off.store(gpu_blocks=list(range(40)), cpu_chunks=list(range(20)), job_id=77).wait(20)
         assert (res.job_id, res.success, res.bytes) == (77, True, 40 * 8 * 2048)
         for t in kvs:
             t[:40] = 0
-        res = off.load(list(range(20)), list(range(40))).wait(20)
+        res = off.load(cpu_chunks=list(range(20)), gpu_blocks=list(range(40))).wait(20)
         assert res.bytes == 40 * 8 * 2048
         for t, w in zip(kvs, want):
             np.testing.assert_array_equal(t, w)

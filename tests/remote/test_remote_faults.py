@@ -33,15 +33,15 @@ def _make(address: str, blocks: int = 64, page: int = 4096, chunks: int = 32,
 
 @needs_nixl
 @pytest.mark.parametrize("call", [
-    lambda off: off.store([0], [32]),            # chunk id out of range
-    lambda off: off.store([64], [0]),            # block id out of range
-    lambda off: off.store([0, 1], [0]),          # ids do not match
-    lambda off: off.load([0, 0], [1, 2]),        # fine for loads: one chunk into two blocks
-    lambda off: off.load([0, 1], [3, 3]),        # two chunks into one block
-    lambda off: off.store([0], [-1]),
-    lambda off: off.store(["a"], [0]),
-    lambda off: off.store([0], [0], job_id="x"),
-    lambda off: off.store([0], [0], stream=object()),
+    lambda off: off.store(gpu_blocks=[0], cpu_chunks=[32]),            # chunk id out of range
+    lambda off: off.store(gpu_blocks=[64], cpu_chunks=[0]),            # block id out of range
+    lambda off: off.store(gpu_blocks=[0, 1], cpu_chunks=[0]),          # ids do not match
+    lambda off: off.load(cpu_chunks=[0, 0], gpu_blocks=[1, 2]),        # fine for loads: one chunk into two blocks
+    lambda off: off.load(cpu_chunks=[0, 1], gpu_blocks=[3, 3]),        # two chunks into one block
+    lambda off: off.store(gpu_blocks=[0], cpu_chunks=[-1]),
+    lambda off: off.store(gpu_blocks=["a"], cpu_chunks=[0]),
+    lambda off: off.store(gpu_blocks=[0], cpu_chunks=[0], job_id="x"),
+    lambda off: off.store(gpu_blocks=[0], cpu_chunks=[0], stream=object()),
 ])
 def test_bad_requests_rejected_before_enqueue(pool: PoolProcess, call) -> None:
     kvs, off = _make(pool.address)
@@ -51,7 +51,7 @@ def test_bad_requests_rejected_before_enqueue(pool: PoolProcess, call) -> None:
         except kv.InvalidTransferError:
             assert off._resources()["inflight"] == 0
             assert all(q.last_transfer is None for q in off._queues.values())
-            assert off.store([0], [0]).wait(20).job_id == 0  # nothing consumed a job id
+            assert off.store(gpu_blocks=[0], cpu_chunks=[0]).wait(20).job_id == 0  # nothing consumed a job id
         else:
             assert t.wait(20).success  # the one valid case
     finally:
@@ -64,7 +64,7 @@ def test_descriptor_outside_the_region_fails_its_transfer_only(pool: PoolProcess
     it in the direction, and leaves the other direction working."""
     kvs, off = _make(pool.address)
     try:
-        ok = off.store([1], [1]).wait(20)
+        ok = off.store(gpu_blocks=[1], cpu_chunks=[1]).wait(20)
         assert ok.success
         table = off._tables["d2h"]
         end = off.backend.remote_base + off.backend.remote_nbytes
@@ -72,15 +72,15 @@ def test_descriptor_outside_the_region_fails_its_transfer_only(pool: PoolProcess
         dst = np.array([end - 100], dtype=np.uint64)
         plan = TransferPlan.raw(table, src, dst, np.array([4096], dtype=np.uint64))
         bad = off._enqueue("d2h", plan, None, None)
-        behind = off.store([2], [2])
+        behind = off.store(gpu_blocks=[2], cpu_chunks=[2])
         with pytest.raises(kv.TransferFailedError, match="outside the registered") as e:
             bad.wait(20)
         assert e.value.job_id == bad.job_id
         with pytest.raises(kv.TransferFailedError, match="queued behind"):
             behind.wait(20)
         with pytest.raises(kv.OffloaderBrokenError):
-            off.store([3], [3])
-        assert off.load([1], [5]).wait(20).success  # loads are independent
+            off.store(gpu_blocks=[3], cpu_chunks=[3])
+        assert off.load(cpu_chunks=[1], gpu_blocks=[5]).wait(20).success  # loads are independent
         np.testing.assert_array_equal(kvs[0][5], kvs[0][1])
     finally:
         off.close()
@@ -92,11 +92,11 @@ async def test_pool_killed_mid_transfer_fails_transfers_and_nothing_hangs() -> N
     with pool_process(512 << 20) as pool:
         kvs, off = _make(pool.address, blocks=4096, page=4096, chunks=4096, timeout=60)
         try:
-            first = await off.store(list(range(64)), list(range(64)))
+            first = await off.store(gpu_blocks=list(range(64)), cpu_chunks=list(range(64)))
             assert first.success
             # ~64 MiB per store of scattered 4 KiB pages: tens of milliseconds each here
-            ts = [off.store(list(range(4096)), list(range(4096))) for _ in range(8)]
-            loads = [off.load(list(range(4096)), list(range(4096))) for _ in range(4)]
+            ts = [off.store(gpu_blocks=list(range(4096)), cpu_chunks=list(range(4096))) for _ in range(8)]
+            loads = [off.load(cpu_chunks=list(range(4096)), gpu_blocks=list(range(4096))) for _ in range(4)]
             await asyncio.sleep(0.05)
             pool.kill()
             t0 = time.monotonic()
@@ -110,7 +110,7 @@ async def test_pool_killed_mid_transfer_fails_transfers_and_nothing_hangs() -> N
                 flags = [isinstance(o, BaseException) for o in group]
                 assert flags == sorted(flags)
             with pytest.raises(kv.TransferFailedError):
-                off.store([0], [0])
+                off.store(gpu_blocks=[0], cpu_chunks=[0])
         finally:
             t0 = time.monotonic()
             off.close()
@@ -129,7 +129,7 @@ def test_pool_refuses_what_it_cannot_hold() -> None:
         with pytest.raises(kv.InvalidTransferError, match="no free region"):
             RemoteOffloader(layout, 1024, peer=pool.address)
         with RemoteOffloader(layout, 128, peer=pool.address) as off:  # 512 KiB fits
-            assert off.store([0], [0]).wait(20).success
+            assert off.store(gpu_blocks=[0], cpu_chunks=[0]).wait(20).success
 
 
 @needs_nixl
@@ -156,7 +156,7 @@ def test_serve_shuts_down_cleanly_with_a_client_attached(sig: int) -> None:
     kvs = [np.ones((8, 4096), np.uint8)]
     off = RemoteOffloader(kv.KVCacheLayout.from_tensors(kvs), 8, peer=pool.address)
     try:
-        assert off.store([0], [0]).wait(20).success
+        assert off.store(gpu_blocks=[0], cpu_chunks=[0]).wait(20).success
         rc, out, err = pool.stop(sig)
         assert rc == 0, err
         assert "kvasync pool closed" in out
@@ -178,7 +178,7 @@ def test_pool_frees_and_zeroes_a_region_when_its_client_goes() -> None:
         layout = kv.KVCacheLayout.from_tensors(kvs)
         with RemoteOffloader(layout, 8, peer=addr) as off:
             assert pool.free_bytes == pool.pool_bytes - 8 * 4096
-            off.store(list(range(8)), list(range(8))).wait(20)
+            off.store(gpu_blocks=list(range(8)), cpu_chunks=list(range(8))).wait(20)
         deadline = time.monotonic() + 10
         while pool.free_bytes != pool.pool_bytes and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -188,7 +188,7 @@ def test_pool_frees_and_zeroes_a_region_when_its_client_goes() -> None:
                 "from kvasync.remote import RemoteOffloader\n"
                 "t=[np.ones((8,4096),np.uint8)]\n"
                 f"o=RemoteOffloader(kv.KVCacheLayout.from_tensors(t), 8, peer='{addr}')\n"
-                "o.store([0],[0]).wait(20); print('attached', flush=True); time.sleep(60)\n")
+                "o.store(gpu_blocks=[0], cpu_chunks=[0]).wait(20); print('attached', flush=True); time.sleep(60)\n")
         child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
                                  text=True, cwd=ROOT)
         assert child.stdout is not None and child.stdout.readline().strip() == "attached"
@@ -201,7 +201,7 @@ def test_pool_frees_and_zeroes_a_region_when_its_client_goes() -> None:
         assert pool.free_bytes == pool.pool_bytes
         with RemoteOffloader(layout, 8, peer=addr) as off:  # reads back zeros
             kvs[0][:] = 1
-            off.load(list(range(8)), list(range(8))).wait(20)
+            off.load(cpu_chunks=list(range(8)), gpu_blocks=list(range(8))).wait(20)
             assert not kvs[0].any()
     assert threading.active_count() < 50
 

@@ -29,7 +29,7 @@ async def test_fifo_under_many_awaiters(pool: PoolProcess) -> None:
     kvs, off = _make(pool)
     try:
         order: list[int] = []
-        ts = [off.store([i], [0]) for i in range(64)]
+        ts = [off.store(gpu_blocks=[i], cpu_chunks=[0]) for i in range(64)]
         for t in ts:
             t.add_done_callback(lambda tr: order.append(tr.job_id))
 
@@ -42,11 +42,11 @@ async def test_fifo_under_many_awaiters(pool: PoolProcess) -> None:
         assert order == sorted(order) and len(order) == 64
         for t in kvs:
             t[100] = 0
-        await off.load([0], [100])
+        await off.load(cpu_chunks=[0], gpu_blocks=[100])
         for t in kvs:
             np.testing.assert_array_equal(t[100], t[63])
         # loads are their own FIFO: many loads of one chunk into one block, then check
-        loads = [off.load([0], [101 + (i % 3)]) for i in range(30)]
+        loads = [off.load(cpu_chunks=[0], gpu_blocks=[101 + (i % 3)]) for i in range(30)]
         results = await asyncio.gather(*loads)
         assert [r.job_id for r in results] == [t.job_id for t in loads]
     finally:
@@ -57,15 +57,15 @@ async def test_fifo_under_many_awaiters(pool: PoolProcess) -> None:
 async def test_urgent_lane_is_fifo_and_independent(pool: PoolProcess) -> None:
     kvs, off = _make(pool)
     try:
-        big = off.store(list(range(64)), list(range(64)))  # 512 KiB normal store
-        urgent = [off.store([64 + i], [i % 4], urgent=True) for i in range(8)]
+        big = off.store(gpu_blocks=list(range(64)), cpu_chunks=list(range(64)))  # 512 KiB normal store
+        urgent = [off.store(gpu_blocks=[64 + i], cpu_chunks=[i % 4], urgent=True) for i in range(8)]
         done = await asyncio.gather(*urgent)
         assert [r.job_id for r in done] == [t.job_id for t in urgent]
         await big
         # the urgent lane's last store to chunk 3 ran after its earlier ones
         for t in kvs:
             t[120] = 0
-        await off.load([3], [120])
+        await off.load(cpu_chunks=[3], gpu_blocks=[120])
         # chunk 3 holds either the big store's block 3 or the urgent store of block 71:
         # the two lanes are not ordered against each other, each lane is
         for t in kvs:
@@ -81,10 +81,10 @@ async def test_concurrent_stores_and_loads_from_tasks(pool: PoolProcess) -> None
     want = [t.copy() for t in kvs]
     try:
         async def one(i: int) -> None:
-            await off.store([i], [i])
+            await off.store(gpu_blocks=[i], cpu_chunks=[i])
             for t in kvs:
                 t[64 + i] = 0
-            await off.load([i], [64 + i])
+            await off.load(cpu_chunks=[i], gpu_blocks=[64 + i])
 
         await asyncio.gather(*(one(i) for i in range(32)))
         for t, w in zip(kvs, want):
