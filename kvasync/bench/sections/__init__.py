@@ -8,7 +8,17 @@ path the backend offers (``Context.paths``), so a new path appears in every sect
 from __future__ import annotations
 
 from ..common import Section
-from . import bandwidth, bidirectional, hostcost, interference, latency, layerwise, priority, rate
+from . import (
+    bandwidth,
+    bidirectional,
+    hostcost,
+    interference,
+    latency,
+    layerwise,
+    priority,
+    rate,
+    remote,
+)
 
 __all__ = ["SECTIONS"]
 
@@ -24,5 +34,6 @@ SECTIONS: dict[str, Section] = {
         priority.SECTION,
         layerwise.SECTION,
         rate.SECTION,
+        remote.SECTION,
     )
 }
