@@ -17,6 +17,7 @@ needed); ``--backend cuda`` keeps the blocks in torch CUDA tensors.
     curl -X POST localhost:8000/conversations/0/restore
     curl localhost:8000/conversations/0/sha256      # equals the sha256 create returned
     curl localhost:8000/health
+    curl localhost:8000/metrics                     # Prometheus text: kvasync:kv_offload_*
 
 Endpoints (JSON in and out):
 
@@ -27,6 +28,7 @@ Endpoints (JSON in and out):
     POST   /conversations/{id}/restore  host -> fresh GPU blocks; the host chunks are freed
     DELETE /conversations/{id}          free everything
     GET    /health                      liveness, free blocks, transfers in flight
+    GET    /metrics                     Prometheus text: the offloader's stats and the server's
 """
 
 from __future__ import annotations
@@ -43,12 +45,14 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import numpy as np
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 import kvasync as kv
+import kvasync.metrics
 
 T = TypeVar("T")
 
@@ -186,6 +190,19 @@ class KVServer:
         self.conversations: dict[int, Conversation] = {}
         self.transfers_in_flight = 0
         self._ids = itertools.count()
+        # a registry per server (tests build many): the offloader's transfers by copy path,
+        # in flight, queue wait and copy time, plus the server's own block gauges
+        self.metrics = CollectorRegistry()
+        kvasync.metrics.register(self.offloader, self.metrics)
+        for name, doc, fn in (
+            ("free_gpu_blocks", "GPU blocks not held by a conversation",
+             lambda: self.gpu.available),
+            ("free_cpu_chunks", "host chunks not held by a conversation",
+             lambda: self.cpu.available),
+            ("conversations", "conversations, wherever their blocks are",
+             lambda: len(self.conversations)),
+        ):
+            Gauge(f"kvserver_{name}", doc, registry=self.metrics).set_function(fn)
         # One worker for bulk byte work (filling, hashing). asyncio.to_thread's default pool
         # runs up to cores + 4 such threads at once; on a small machine they crowd the event
         # loop's thread off the CPU and every request waits (tens of ms on 2 cores).
@@ -441,6 +458,11 @@ async def delete(request: Request, server: KVServer) -> Response:
     return Response(status_code=204)
 
 
+async def metrics(request: Request, server: KVServer) -> Response:
+    """Prometheus text; a scrape takes one `off.stats()` snapshot (microseconds)."""
+    return Response(generate_latest(server.metrics), media_type=CONTENT_TYPE_LATEST)
+
+
 async def health(request: Request, server: KVServer) -> Response:
     h = server.health()
     return JSONResponse(h, status_code=200 if h["status"] == "ok" else 503)
@@ -463,6 +485,7 @@ def create_app(server: KVServer | None = None, config: Config | None = None) -> 
     app = Starlette(
         routes=[
             Route("/health", _errors(health), methods=["GET"]),
+            Route("/metrics", _errors(metrics), methods=["GET"]),
             Route("/conversations", _errors(create_conversation), methods=["POST"]),
             Route("/conversations/{cid:int}", _errors(show), methods=["GET"]),
             Route("/conversations/{cid:int}", _errors(delete), methods=["DELETE"]),

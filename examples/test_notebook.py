@@ -39,5 +39,9 @@ def test_notebook_executes_headless_on_the_host_backend(monkeypatch: pytest.Monk
     text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
     assert "backend host" in text
     assert "offload: 100%" in text and "restore: 100%" in text  # both progress bars finished
+    assert "layer-wise load: 100%" in text  # the bar driven by progress()
+    assert "8 layers landed, 64 MiB" in text
+    assert "d2h normal: 33 transfers, 65 MiB, by path {'memmove': 33}, 0 failed" in text
+    assert "h2d normal:" in text and "queue wait p50" in text  # off.stats()
     assert "verified: every restored block equals the original" in text
     assert any("image/png" in o.get("data", {}) for o in outputs), "the plot was not drawn"

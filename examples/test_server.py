@@ -23,10 +23,12 @@ import pytest
 pytest.importorskip("starlette")  # the examples extra
 pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
+pytest.importorskip("prometheus_client")
 
 import httpx
 import pytest_asyncio
 import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
 from server import Config, KVServer, create_app, expected_blocks
 
 #: 8 tensors x BLOCKS x 64 KiB = 16 MiB per conversation; all of them move at once. Two
@@ -289,3 +291,31 @@ async def test_round_trip_through_a_real_uvicorn_server(live_server: str) -> Non
             assert (await c.get("/health")).status_code == 200
             latencies.append(time.perf_counter() - t0)
         assert statistics.median(latencies) < IDLE_HEALTH_BUDGET_S
+
+
+@pytest.mark.asyncio
+async def test_metrics_endpoint_counts_the_moves(small_client: httpx.AsyncClient) -> None:
+    """/metrics is Prometheus text: the offloader's counters by direction, lane and path,
+    its timing histograms and in-flight gauges, and the server's own gauges."""
+    client = small_client
+    made = (await client.post("/conversations", json={"blocks": 3})).json()
+    await client.post(f"/conversations/{made['id']}/offload")
+    await client.post(f"/conversations/{made['id']}/restore")
+    response = await client.get("/metrics")
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain")
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for fam in text_string_to_metric_families(response.text) for s in fam.samples}
+    moved = 3 * 2 * 4096  # 3 blocks of 2 tensors of 4 KiB
+    for kind in ("GPU_to_CPU", "CPU_to_GPU"):
+        at = (("lane", "normal"), ("path", "memmove"), ("transfer_type", kind))
+        assert samples[("kvasync:kv_offload_total_bytes_total", at)] == moved
+        assert samples[("kvasync:kv_offload_transfers_total", at)] == 1
+        assert samples[("kvasync:kv_offload_failures_total", at)] == 0
+        lane = (("lane", "normal"), ("transfer_type", kind))
+        assert samples[("kvasync:kv_offload_copy_seconds_count", lane)] == 1
+        assert samples[("kvasync:kv_offload_queue_wait_seconds_count", lane)] == 1
+        assert samples[("kvasync:kv_offload_in_flight", lane)] == 0
+    assert samples[("kvserver_free_gpu_blocks", ())] == 8 - 3
+    assert samples[("kvserver_free_cpu_chunks", ())] == 4
+    assert samples[("kvserver_conversations", ())] == 1

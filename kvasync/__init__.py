@@ -25,6 +25,7 @@ from ._layout import CopyRun, KVCacheLayout, KVRef, KVTensor, PageMapping
 from ._mappings import derive_page_mapping, mla_page_mapping, private_page_mapping, verify_tiling
 from ._offloader import Offloader
 from ._region import SharedHostRegion
+from ._stats import Distribution, LaneStats, OffloaderStats, PathStats, Progress
 from ._transfer import LayeredTransfer, Transfer, TransferResult
 
 __version__ = "0.1.0"
@@ -32,16 +33,21 @@ __version__ = "0.1.0"
 __all__ = [
     "BackendUnavailableError",
     "CopyRun",
+    "Distribution",
     "InvalidTransferError",
     "KVAsyncError",
     "KVCacheLayout",
     "KVRef",
     "KVTensor",
+    "LaneStats",
     "LayeredTransfer",
     "Offloader",
     "OffloaderBrokenError",
     "OffloaderClosedError",
+    "OffloaderStats",
     "PageMapping",
+    "PathStats",
+    "Progress",
     "RegionOverflowError",
     "SharedHostRegion",
     "SharedRegionError",

@@ -44,6 +44,7 @@ from ._hostmem import row_offsets
 from ._layout import KVCacheLayout
 from ._lifecycle import Lifecycle, completing_here, refuse_blocking_wait
 from ._scheduler import DirectionQueue
+from ._stats import OffloaderStats, collect
 from ._transfer import LayeredTransfer, Transfer
 
 __all__ = ["Offloader"]
@@ -273,6 +274,17 @@ class Offloader:
     def broken(self) -> bool:
         """True once a transfer failed; the failed direction refuses new transfers."""
         return any(q.failure is not None for q in self._queues.values())
+
+    def stats(self) -> OffloaderStats:
+        """A frozen snapshot of every lane's counters and timings (docs/metrics.md).
+
+        Per direction and lane: transfers, bytes and device seconds by concrete copy path,
+        failures, transfers in flight and the oldest one's age, and percentiles (over the
+        last 1024 transfers) plus cumulative histograms of the copy time (device, start to
+        end event), the latency (host, submission to completion seen) and the queue wait
+        (latency minus copy time). Cheap to keep (O(1) per transfer); works after `close()`.
+        """
+        return collect(q.stats for q in self._queues.values())
 
     @ids_by_keyword("store(gpu_blocks=[...], cpu_chunks=[...])")
     def store(

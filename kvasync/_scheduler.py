@@ -49,6 +49,7 @@ from ._lifecycle import (
     raise_stashed,
     timed_acquire,
 )
+from ._stats import LaneRecorder
 from ._transfer import Transfer, TransferResult
 
 __all__ = ["DirectionQueue"]
@@ -86,6 +87,7 @@ class DirectionQueue:
         self.direction = direction
         #: the urgent lane of a direction is a queue of its own (see Offloader.store)
         self.urgent = urgent
+        self.stats = LaneRecorder(direction, urgent)  # counters for Offloader.stats()
         self.engine = engine
         #: awaits of short transfers poll this queue themselves (see Transfer.__await__)
         self.spin_await = bool(engine.poll and getattr(backend, "poll_from_await", False))
@@ -202,6 +204,7 @@ class DirectionQueue:
             rec = _InFlight(transfer, plan, stream, start, end, order, error, eta)
             transfer._queue = self
             transfer._eta = eta
+            self.stats.submitted(job_id, path, plan.nbytes)
             self._fifo.append(rec)  # deque appends are atomic; order is set by self._lock
             if not self.lazy:
                 self._pending.put(rec)
@@ -382,6 +385,7 @@ class DirectionQueue:
             error.job_id = rec.transfer.job_id
         with self._lock:
             self._recycle(rec)
+        self.stats.finished(result, error)
         enter_completion()
         try:
             rec.transfer._complete(result, error)

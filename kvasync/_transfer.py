@@ -34,6 +34,7 @@ from ._lifecycle import (
     refuse_blocking_wait,
     stash_base_exception,
 )
+from ._stats import Progress, layered_progress, transfer_progress
 
 if TYPE_CHECKING:
     from ._completion import CompletionEngine
@@ -111,6 +112,10 @@ class Transfer(FutureMethods):
     def done(self) -> bool:
         """True once the transfer finished (successfully or not)."""
         return self._result is not None or self._error is not None
+
+    def progress(self) -> Progress:
+        """`(bytes_done, bytes_total)`: coarse, (0, n) until the whole transfer has landed."""
+        return transfer_progress(self)
 
     def result(self) -> TransferResult:
         """The result; raises TransferFailedError if it failed, RuntimeError if not done."""
@@ -330,6 +335,10 @@ class LayeredTransfer(FutureMethods):
 
     def done(self) -> bool:
         return all(t.done() for t in self.layers)
+
+    def progress(self) -> Progress:
+        """`(bytes_done, bytes_total)`: the bytes of the layers that have landed so far."""
+        return layered_progress(self)
 
     def result(self) -> TransferResult:
         """The summed result; raises the first layer's failure, RuntimeError if not done."""

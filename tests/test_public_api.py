@@ -11,7 +11,7 @@ import kvasync
 def test_all_is_sorted_and_complete() -> None:
     assert kvasync.__all__ == sorted(kvasync.__all__)
     public = {n for n in dir(kvasync) if not n.startswith("_")}
-    modules = {"bench", "compat", "remote", "serve"}  # set as attributes once imported
+    modules = {"bench", "compat", "metrics", "remote", "serve"}  # submodules, set once imported
     assert public - modules - {"annotations"} == set(kvasync.__all__)
     for name in kvasync.__all__:
         assert getattr(kvasync, name).__module__ == "kvasync", name
@@ -23,7 +23,8 @@ def test_import_needs_no_driver_and_touches_no_cuda() -> None:
         "import sys, kvasync, kvasync.compat.vllm;"
         "assert 'cupy' not in sys.modules, 'cupy imported';"
         "assert 'torch' not in sys.modules, 'torch imported';"
-        "import kvasync._backends._host;"
+        "import kvasync._backends._host, kvasync.metrics;"
+        "assert 'prometheus_client' not in sys.modules, 'prometheus_client imported';"
         "print('ok')"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
