@@ -26,7 +26,14 @@ from .._errors import InvalidTransferError, TransferFailedError
 from .._staged import build_staged, prepare_staged
 from . import _cuda_dma, _cuda_policy, _cudart
 from ._base import Direction, Stream
-from ._cuda_device import CudaDevice, CudaEvent, CudaStream, RegisteredCheck
+from ._cuda_device import (
+    CudaDevice,
+    CudaEvent,
+    CudaStream,
+    RegisteredCheck,
+    host_pointer_error,
+    sm_count,
+)
 from ._cuda_dma import DmaPath, FanRound
 from ._cuda_kernel import DEFAULT_GRID, KernelPath, StagingPool, TableCache
 from ._cuda_kernels import CopyKernels
@@ -109,8 +116,6 @@ class CudaBackend(CudaDevice):
         self.staging_bytes = self.STAGING_BYTES
         #: CTAs of the staged path's pack/unpack kernel (0: one per SM, set at warm-up)
         self.staged_grid = 0
-        self._rings: dict[str, StagingRing] = {}
-        self._ring_lock = threading.Lock()
         self._kernel = KernelPath(self._kernels, self._staging, self._table_cache)
         self._dma = DmaPath(self.device_id, self.counts)
         self._staged = StagedPath(self.device_id, self._kernels, self._table_cache,
@@ -140,22 +145,11 @@ class CudaBackend(CudaDevice):
                 if self._use_batch_api is not False:
                     self._batch = _cudart.batch_copier()
                 if not self.staged_grid:
-                    try:
-                        self.staged_grid = int(cupy().cuda.Device(self.device_id)
-                                               .attributes["MultiProcessorCount"])
-                    except Exception:
-                        self.staged_grid = 4 * DEFAULT_GRID
-                rt = cupy().cuda.runtime
-                try:
-                    if not rt.deviceGetAttribute(
-                        rt.cudaDevAttrCanUseHostPointerForRegisteredMem, self.device_id
-                    ):
-                        self._kernel_error = RuntimeError(
-                            "the device cannot use host pointers of registered memory")
-                        log.error("kvasync: %s; only the DMA path will be used",
-                                  self._kernel_error)
-                except Exception:
-                    pass
+                    self.staged_grid = sm_count(self.device_id, 4 * DEFAULT_GRID)
+                error = host_pointer_error(self.device_id)
+                if error is not None:
+                    self._kernel_error = error
+                    log.error("kvasync: %s; only the DMA path will be used", error)
             self._ready = True
 
     @property
@@ -299,17 +293,10 @@ class CudaBackend(CudaDevice):
                            fan_min_bytes=self.FAN_MIN_BYTES)
 
     def _ring(self, direction: str) -> StagingRing:
-        """The staging ring of `direction` (allocated at first use: 2 x staging_bytes/2)."""
-        ring = self._rings.get(direction)
-        if ring is not None:
-            return ring
-        with self._ring_lock:
-            ring = self._rings.get(direction)
-            if ring is None:
-                n = max(int(self.STAGING_BUFFERS), 2)
-                ring = StagingRing(self, max(int(self.staging_bytes) // n, 1), n)
-                self._rings[direction] = ring
-            return ring
+        """The staging ring of `direction` (allocated at first use: `staging_bytes` in
+        `STAGING_BUFFERS` buffers)."""
+        return self._staged.rings.get(direction) or self._staged.ring(
+            direction, self, self.staging_bytes, self.STAGING_BUFFERS)
 
     # -- shutdown -------------------------------------------------------------------------------
     def close(self) -> None:
@@ -320,7 +307,7 @@ class CudaBackend(CudaDevice):
         self._closed = True
         self._staging.close()
         self._table_cache.clear()
-        self._rings.clear()
+        self._staged.close()
         self._dma.close()
         self._registered.clear()
 

@@ -192,6 +192,30 @@ def create_event(device_id: int, timing: bool = True) -> CudaEvent:
     return CudaEvent(raw)
 
 
+def sm_count(device_id: int, default: int) -> int:
+    """The device's SM count from CuPy's `Device.attributes` (`cudaDeviceGetAttribute`
+    per attribute); `default` if the query fails. Never blocks on the device."""
+    try:
+        return int(cupy().cuda.Device(device_id).attributes["MultiProcessorCount"])
+    except Exception:
+        return default
+
+
+def host_pointer_error(device_id: int) -> RuntimeError | None:
+    """Wraps `cudaDeviceGetAttribute(cudaDevAttrCanUseHostPointerForRegisteredMem)`: the
+    error that rules out the kernel paths where the device cannot (None where it can, or
+    where the query itself fails). Never blocks on the device."""
+    rt = cupy().cuda.runtime
+    try:
+        if not rt.deviceGetAttribute(
+            rt.cudaDevAttrCanUseHostPointerForRegisteredMem, device_id
+        ):
+            return RuntimeError("the device cannot use host pointers of registered memory")
+    except Exception:
+        pass
+    return None
+
+
 def _register_on(device_id: int, ptr: int, nbytes: int) -> bool:
     """Wraps `cudaHostRegister` with `device_id` current; blocks while the driver pins."""
     with cupy().cuda.Device(device_id):

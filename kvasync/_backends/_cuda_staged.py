@@ -86,6 +86,28 @@ class StagedPath:
         self.kernels = kernels
         self.tables = tables
         self.staging = staging
+        #: the staging ring per direction, allocated at first use (`ring`)
+        self.rings: dict[str, StagingRing] = {}
+        self._ring_lock = threading.Lock()
+
+    def ring(self, direction: str, device: CudaDevice, staging_bytes: int,
+             buffers: int) -> StagingRing:
+        """The staging ring of `direction`, allocated on `device` at first use (in
+        max(`buffers`, 2) buffers of `staging_bytes` / that count); later calls return it
+        whatever they pass."""
+        ring = self.rings.get(direction)
+        if ring is not None:
+            return ring
+        with self._ring_lock:
+            ring = self.rings.get(direction)
+            if ring is None:
+                n = max(int(buffers), 2)
+                ring = StagingRing(device, max(int(staging_bytes) // n, 1), n)
+                self.rings[direction] = ring
+            return ring
+
+    def close(self) -> None:
+        self.rings.clear()
 
     def enqueue(self, ring: StagingRing, stream: CudaStream, plan: TransferPlan,
                 direction: Direction, grid: int, batch: _cudart.BatchCopier | None) -> None:
