@@ -182,25 +182,23 @@ class CudaBackend(CudaDevice):
                 self._warn_once("copy path 'kernel' needs pinned host memory and working "
                                 "kernels; using 'dma'")
             return "dma"
-        if not self._registered(plan, direction):
+        if not self._registered.check(plan, direction):
             self._warn_once("the host copy is not registered with CUDA (pageable); the "
                             "kernel path must not touch it, using 'dma'")
             return "dma"
         if path == "kernel":
             return "kernel"
+        return choose_auto(direction, plan, urgent, other_busy, layered, self.URGENT_KERNEL,
+                           self.CONTENDED_DMA_BYTES, self.STAGED_MIN_BYTES, self._stage,
+                           self.calibration)
 
-        def stage() -> bool:
-            program = build_staged(plan, direction == "d2h", self._ring(direction).slab_bytes)
-            if program is None:
-                return False
-            plan.staged = program
-            return True
-
-        return choose_auto(
-            direction, plan.nbytes, plan.num_descriptors, urgent=urgent, other_busy=other_busy,
-            layered=layered, urgent_kernel=self.URGENT_KERNEL,
-            contended_dma_bytes=self.CONTENDED_DMA_BYTES,
-            staged_min_bytes=self.STAGED_MIN_BYTES, stage=stage, calibration=self.calibration)
+    def _stage(self, plan: TransferPlan, direction: Direction) -> bool:
+        """Build `plan`'s staged program for "auto" (False: the plan cannot be staged)."""
+        program = build_staged(plan, direction == "d2h", self._ring(direction).slab_bytes)
+        if program is None:
+            return False
+        plan.staged = program
+        return True
 
     def _warn_once(self, message: str) -> None:
         if not self._warned_unpinned:

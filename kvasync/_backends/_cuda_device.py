@@ -238,7 +238,7 @@ class RegisteredCheck:
         self.device_id = device_id
         self._cache: dict[tuple[int, str], tuple[RefTable, bool]] = {}
 
-    def __call__(self, plan: TransferPlan, direction: Direction) -> bool:
+    def check(self, plan: TransferPlan, direction: Direction) -> bool:
         """Wraps `cudaPointerGetAttributes` on each tensor's first and last row (at the
         first check of a table); blocks briefly in the driver."""
         table = plan.table

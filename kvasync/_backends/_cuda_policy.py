@@ -140,20 +140,23 @@ class Calibration:
 
 
 def choose_auto(
-    direction: Direction, nbytes: int, count: int, *, urgent: bool, other_busy: bool,
-    layered: bool, urgent_kernel: bool, contended_dma_bytes: int, staged_min_bytes: int,
-    stage: Callable[[], bool], calibration: Callable[[], Calibration],
+    direction: Direction, plan: TransferPlan, urgent: bool, other_busy: bool, layered: bool,
+    urgent_kernel: bool, contended_dma_bytes: int, staged_min_bytes: int,
+    stage: Callable[[TransferPlan, Direction], bool], calibration: Callable[[], Calibration],
 ) -> str:
-    """The "auto" rules for a plan of `nbytes` in `count` descriptors whose host side is
-    pinned and registered, in order: urgent -> kernel; empty -> dma; big enough and
-    `stage()` (which builds the staged program, False if the plan cannot be staged) ->
-    staged; the other direction busy with big descriptors -> dma; else the calibration's
-    choice (`calibration()` measures at its first call)."""
+    """The "auto" rules for `plan` (whose host side is pinned and registered), in order:
+    urgent -> kernel; empty -> dma; big enough and `stage(plan, direction)` (which builds
+    the staged program, False if the plan cannot be staged) -> staged; the other
+    direction busy with big descriptors -> dma; else the calibration's choice
+    (`calibration()` measures at its first call). Reads only `plan.nbytes` and
+    `plan.num_descriptors`; positional arguments: this runs on every submission."""
+    nbytes, count = plan.nbytes, plan.num_descriptors
     if urgent and urgent_kernel:
         return "kernel"
     if count == 0:
         return "dma"
-    if staged_min_bytes and nbytes >= staged_min_bytes and not layered and stage():
+    if staged_min_bytes and nbytes >= staged_min_bytes and not layered \
+            and stage(plan, direction):
         return "staged"
     if other_busy and contended_dma_bytes and nbytes >= contended_dma_bytes * count:
         return "dma"
