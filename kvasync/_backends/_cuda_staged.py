@@ -32,13 +32,15 @@ from .._errors import TransferFailedError
 from .._staged import StagedProgram, prepare_staged, slab_descriptors, staging_table
 from . import _cudart
 from ._base import Direction
-from ._cuda_kernels import pack_job
+from ._cuda_device import CudaEvent, CudaStream, create_event
+from ._cuda_kernel import StagingPool, TableCache
+from ._cuda_kernels import CopyKernels, pack_job
 from ._cudart import cupy
 
 if TYPE_CHECKING:
-    from ._cuda import CudaBackend, CudaEvent, CudaStream
+    from ._cuda_device import CudaDevice
 
-__all__ = ["StagingRing", "enqueue_staged"]
+__all__ = ["StagedPath", "StagingRing", "staged_info"]
 
 _H2D = 1  # cudaMemcpyHostToDevice
 
@@ -53,7 +55,7 @@ class StagingRing:
     transfers hold it through their plan's keepalive).
     """
 
-    def __init__(self, backend: CudaBackend, slab_bytes: int, count: int = 2) -> None:
+    def __init__(self, backend: CudaDevice, slab_bytes: int, count: int = 2) -> None:
         cp = cupy()
         self.slab_bytes = int(slab_bytes)
         with cp.cuda.Device(backend.device_id):
@@ -70,97 +72,131 @@ class StagingRing:
         self.lock = threading.Lock()
 
 
-def enqueue_staged(backend: CudaBackend, ring: StagingRing, stream: CudaStream,
-                   plan: TransferPlan, direction: Direction, grid: int) -> None:
-    """Enqueue `plan`'s staged program on `stream` (kernel side) and the ring's helper
-    stream (copy engines); when `stream` reaches its next event, every slab has landed.
-
-    Every slab's kernel job is packed into one pinned buffer and uploaded with one copy
-    before anything else (so no job upload queues behind row DMA on a copy engine).
-    Stores: pack slab k into buffer b (after b's last DMA), DMA b -> host rows on the
-    helper; `stream` finally waits for the last DMA. Loads: the helper waits for `stream`'s
-    position (compute and FIFO waits), DMAs rows into b (after b's last unpack), and
-    `stream` unpacks after each landing."""
-    program: StagedProgram = plan.staged or prepare_staged(plan, direction, ring.slab_bytes)
-    if not program.slabs:
-        return
-    store = direction == "d2h"
-    helper = ring.helper
-    keep = plan.keepalive
-    keep.append(ring)
-    with ring.lock:
-        nbuf = len(ring.ptrs)
-        first = ring.next
-        order = [(first + k) % nbuf for k in range(len(program.slabs))]
-        entries = {b: backend._table_entry(
-            staging_table(plan.table, program.rows, store, ring.ptrs[b], program.rows_per_slab),
-            stream, keep) for b in dict.fromkeys(order)}
-        jobs = [pack_job(slab.segments, entries[b].packed.pieces, None, entries[b].pieces)
-                for b, slab in zip(order, program.slabs)]
-        offsets = [0]
-        for job in jobs:
-            offsets.append(offsets[-1] + len(job.words))
-        st = backend._staging.take(offsets[-1])
-        keep.append(st)
-        for job, off in zip(jobs, offsets):
-            st.words[off : off + len(job.words)] = job.words
-        rt = cupy().cuda.runtime
-        rt.memcpyAsync(st.dev_ptr, st.host_ptr, offsets[-1] * 8, _H2D, stream.ptr)
-        if not store:
-            fork = backend.new_event(timing=False)
-            stream.record(fork)
-            helper.wait_event(fork)
-            keep.append(fork)
-        last = first
-        ring.next = (first + len(program.slabs)) % nbuf
-        for k, (b, slab) in enumerate(zip(order, program.slabs)):
-            last = b
-            entry = entries[b]
-            job_addr = st.dev_ptr + offsets[k] * 8
-            src, dst, sizes = slab_descriptors(program, slab, ring.ptrs[b])
-            if store:
-                stream.wait_event(ring.free[b])
-                if jobs[k].total_units:
-                    backend._kernels.launch_table(stream.owner, entry.rows_addr,
-                                                  entry.frags_addr, entry.packed, job_addr,
-                                                  jobs[k], grid)
-                stream.record(ring.ready[b])
-                helper.wait_event(ring.ready[b])
-                _dma(backend, helper, src, dst, sizes, store)
-                helper.record(ring.free[b])
-            else:
-                helper.wait_event(ring.free[b])
-                _dma(backend, helper, src, dst, sizes, store)
-                helper.record(ring.ready[b])
-                stream.wait_event(ring.ready[b])
-                if jobs[k].total_units:
-                    backend._kernels.launch_table(stream.owner, entry.rows_addr,
-                                                  entry.frags_addr, entry.packed, job_addr,
-                                                  jobs[k], grid)
-                stream.record(ring.free[b])
-            keep.append((src, dst, sizes))
-        if store:
-            stream.wait_event(ring.free[last])
-
-
 #: up to this many runs, one cudaMemcpyAsync each (cheaper than a batch call)
 EACH_RUNS = 4
 
 
-def _dma(backend: CudaBackend, helper: CudaStream, src: np.ndarray, dst: np.ndarray,
-         sizes: np.ndarray, store: bool) -> None:
-    """One slab's runs on the helper stream: plain copies for a few, else one batch call
-    (not fanned out: the runs are long, and each fork/join costs ~17 API calls)."""
-    batch = backend._batch
-    try:
-        if batch is None or len(sizes) <= EACH_RUNS:
-            _cudart.memcpy_runs(zip(src.tolist(), dst.tolist(), sizes.tolist()), helper.ptr)
-        else:
-            order = _cudart.ACCESS_ORDER_STREAM if store else _cudart.ACCESS_ORDER_ANY
-            src_dev, dst_dev = (backend.device_id, -1) if store else (-1, backend.device_id)
-            batch(src, dst, sizes, helper.ptr, order, src_dev, dst_dev)
-    except _cudart.CudaCallError as exc:
-        raise TransferFailedError(f"staged row copy failed: {exc}") from exc
+class StagedPath:
+    """Enqueues staged programs (`enqueue`) with the pieces it shares with the kernel path
+    (the copy kernels, the device table cache, the job staging pool)."""
+
+    def __init__(self, device_id: int, kernels: CopyKernels, tables: TableCache,
+                 staging: StagingPool) -> None:
+        self.device_id = device_id
+        self.kernels = kernels
+        self.tables = tables
+        self.staging = staging
+        #: the staging ring per direction, allocated at first use (`ring`)
+        self.rings: dict[str, StagingRing] = {}
+        self._ring_lock = threading.Lock()
+
+    def ring(self, direction: str, device: CudaDevice, staging_bytes: int,
+             buffers: int) -> StagingRing:
+        """The staging ring of `direction`, allocated on `device` at first use (in
+        max(`buffers`, 2) buffers of `staging_bytes` / that count); later calls return it
+        whatever they pass."""
+        ring = self.rings.get(direction)
+        if ring is not None:
+            return ring
+        with self._ring_lock:
+            ring = self.rings.get(direction)
+            if ring is None:
+                n = max(int(buffers), 2)
+                ring = StagingRing(device, max(int(staging_bytes) // n, 1), n)
+                self.rings[direction] = ring
+            return ring
+
+    def close(self) -> None:
+        self.rings.clear()
+
+    def enqueue(self, ring: StagingRing, stream: CudaStream, plan: TransferPlan,
+                direction: Direction, grid: int, batch: _cudart.BatchCopier | None) -> None:
+        """Enqueue `plan`'s staged program on `stream` (kernel side) and the ring's helper
+        stream (copy engines); when `stream` reaches its next event, every slab has landed.
+
+        Every slab's kernel job is packed into one pinned buffer and uploaded with one copy
+        before anything else (so no job upload queues behind row DMA on a copy engine).
+        Stores: pack slab k into buffer b (after b's last DMA), DMA b -> host rows on the
+        helper; `stream` finally waits for the last DMA. Loads: the helper waits for
+        `stream`'s position (compute and FIFO waits), DMAs rows into b (after b's last
+        unpack), and `stream` unpacks after each landing. Returns without waiting."""
+        program: StagedProgram = plan.staged or prepare_staged(plan, direction,
+                                                               ring.slab_bytes)
+        if not program.slabs:
+            return
+        store = direction == "d2h"
+        helper = ring.helper
+        keep = plan.keepalive
+        keep.append(ring)
+        with ring.lock:
+            nbuf = len(ring.ptrs)
+            first = ring.next
+            order = [(first + k) % nbuf for k in range(len(program.slabs))]
+            entries = {b: self.tables.entry(
+                staging_table(plan.table, program.rows, store, ring.ptrs[b],
+                              program.rows_per_slab),
+                stream, keep) for b in dict.fromkeys(order)}
+            jobs = [pack_job(slab.segments, entries[b].packed.pieces, None, entries[b].pieces)
+                    for b, slab in zip(order, program.slabs)]
+            offsets = [0]
+            for job in jobs:
+                offsets.append(offsets[-1] + len(job.words))
+            st = self.staging.take(offsets[-1])
+            keep.append(st)
+            for job, off in zip(jobs, offsets):
+                st.words[off : off + len(job.words)] = job.words
+            rt = cupy().cuda.runtime
+            rt.memcpyAsync(st.dev_ptr, st.host_ptr, offsets[-1] * 8, _H2D, stream.ptr)
+            if not store:
+                fork = create_event(self.device_id, timing=False)
+                stream.record(fork)
+                helper.wait_event(fork)
+                keep.append(fork)
+            last = first
+            ring.next = (first + len(program.slabs)) % nbuf
+            for k, (b, slab) in enumerate(zip(order, program.slabs)):
+                last = b
+                entry = entries[b]
+                job_addr = st.dev_ptr + offsets[k] * 8
+                src, dst, sizes = slab_descriptors(program, slab, ring.ptrs[b])
+                if store:
+                    stream.wait_event(ring.free[b])
+                    if jobs[k].total_units:
+                        self.kernels.launch_table(stream.owner, entry.rows_addr,
+                                                  entry.frags_addr, entry.packed, job_addr,
+                                                  jobs[k], grid)
+                    stream.record(ring.ready[b])
+                    helper.wait_event(ring.ready[b])
+                    self._dma(batch, helper, src, dst, sizes, store)
+                    helper.record(ring.free[b])
+                else:
+                    helper.wait_event(ring.free[b])
+                    self._dma(batch, helper, src, dst, sizes, store)
+                    helper.record(ring.ready[b])
+                    stream.wait_event(ring.ready[b])
+                    if jobs[k].total_units:
+                        self.kernels.launch_table(stream.owner, entry.rows_addr,
+                                                  entry.frags_addr, entry.packed, job_addr,
+                                                  jobs[k], grid)
+                    stream.record(ring.free[b])
+                keep.append((src, dst, sizes))
+            if store:
+                stream.wait_event(ring.free[last])
+
+    def _dma(self, batch: _cudart.BatchCopier | None, helper: CudaStream, src: np.ndarray,
+             dst: np.ndarray, sizes: np.ndarray, store: bool) -> None:
+        """One slab's runs on the helper stream: plain copies for a few, else one batch call
+        (not fanned out: the runs are long, and each fork/join costs ~17 API calls)."""
+        try:
+            if batch is None or len(sizes) <= EACH_RUNS:
+                _cudart.memcpy_runs(zip(src.tolist(), dst.tolist(), sizes.tolist()),
+                                    helper.ptr)
+            else:
+                order = _cudart.ACCESS_ORDER_STREAM if store else _cudart.ACCESS_ORDER_ANY
+                src_dev, dst_dev = (self.device_id, -1) if store else (-1, self.device_id)
+                batch(src, dst, sizes, helper.ptr, order, src_dev, dst_dev)
+        except _cudart.CudaCallError as exc:
+            raise TransferFailedError(f"staged row copy failed: {exc}") from exc
 
 
 def staged_info(ring: StagingRing | None) -> dict[str, Any]:

@@ -8,6 +8,14 @@ readable and lets tests call each binding directly.
 Nothing here runs at import: CuPy is imported on first use (`cupy()`), libcuda is opened
 on first use (`batch_copier()`), so `import kvasync` never needs a driver.
 
+Rules: only the calls kvasync uses are here; handles and pointers are ints; every
+function's docstring opens with the call it wraps and whether the calling thread blocks
+(none here waits for the device; pinning blocks while the driver locks pages). Driver
+calls made through ctypes raise `CudaCallError`; CuPy's runtime wrappers raise CuPy's
+`CUDARuntimeError`, which the functions below catch where their docstring says so. The
+streams, events and copy paths (`_cuda_device`, `_cuda_dma`, `_cuda_kernel`,
+`_cuda_staged`) reach CuPy only through `cupy()`.
+
 Error state: CuPy's runtime wrappers call `cudaGetLastError` before they raise (CuPy's
 `check_status`), so a failed `cudaHostRegister` leaves no pending error behind in CuPy's
 (statically linked) runtime; `host_register` relies on that and returns False. Driver API
@@ -77,7 +85,8 @@ class CudaCallError(RuntimeError):
 
 
 def cupy() -> ModuleType:
-    """The `cupy` module, imported on first use (never at kvasync import time)."""
+    """The `cupy` module, imported on first use (never at kvasync import time); the one
+    door to CuPy for every CUDA module of the backend."""
     global _cupy
     if _cupy is None:
         import cupy as cp
@@ -87,14 +96,15 @@ def cupy() -> ModuleType:
 
 
 def driver_version() -> int:
-    """`cudaDriverGetVersion`: e.g. 13000 for a CUDA 13.0 driver."""
+    """Wraps `cudaDriverGetVersion`; never blocks. E.g. 13000 for a CUDA 13.0 driver."""
     return int(cupy().cuda.runtime.driverGetVersion())
 
 
 # -- pinning -----------------------------------------------------------------------------------
 def host_register(ptr: int, nbytes: int, flags: int = HOST_REGISTER_PORTABLE | HOST_REGISTER_MAPPED
                   ) -> bool:
-    """`cudaHostRegister(ptr, nbytes, flags)`; False (logged, error state drained) on failure.
+    """Wraps `cudaHostRegister(ptr, nbytes, flags)`; blocks while the driver pins the pages.
+    False (logged, error state drained) on failure.
 
     Mapped so a kernel may dereference the host pointer (UVA), portable so every context
     sees the pages as pinned.
@@ -109,7 +119,8 @@ def host_register(ptr: int, nbytes: int, flags: int = HOST_REGISTER_PORTABLE | H
 
 
 def host_unregister(ptr: int) -> bool:
-    """`cudaHostUnregister(ptr)`; False (logged) on failure."""
+    """Wraps `cudaHostUnregister(ptr)`; blocks while the driver unpins. False (logged) on
+    failure."""
     rt = cupy().cuda.runtime
     try:
         rt.hostUnregister(ptr)
@@ -120,7 +131,8 @@ def host_unregister(ptr: int) -> bool:
 
 
 def is_registered(ptr: int) -> bool:
-    """`cudaPointerGetAttributes(ptr).type == cudaMemoryTypeHost` (pinned / registered)."""
+    """Wraps `cudaPointerGetAttributes(ptr)`; never blocks. True if its type is
+    `cudaMemoryTypeHost` (pinned / registered); False on any error."""
     rt = cupy().cuda.runtime
     try:
         return int(rt.pointerGetAttributes(ptr).type) == int(rt.memoryTypeHost)
@@ -130,17 +142,20 @@ def is_registered(ptr: int) -> bool:
 
 # -- per-copy memcpy ----------------------------------------------------------------------------
 def memcpy_async(dst: int, src: int, nbytes: int, stream: int) -> None:
-    """`cudaMemcpyAsync(dst, src, nbytes, cudaMemcpyDefault, stream)`."""
+    """Wraps `cudaMemcpyAsync(dst, src, nbytes, cudaMemcpyDefault, stream)`; returns
+    without waiting for the copy. Raises CuPy's `CUDARuntimeError`."""
     cupy().cuda.runtime.memcpyAsync(dst, src, nbytes, _MEMCPY_DEFAULT, stream)
 
 
 def memcpy_each(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, stream: int) -> None:
-    """One `cudaMemcpyAsync` per descriptor: the fallback where the batch call is missing."""
+    """Wraps one `cudaMemcpyAsync` per descriptor (the fallback where the batch call is
+    missing); returns without waiting. Raises CuPy's `CUDARuntimeError`."""
     memcpy_runs(zip(src.tolist(), dst.tolist(), sizes.tolist()), stream)
 
 
 def memcpy_runs(runs: Iterable[tuple[int, int, int]], stream: int) -> None:
-    """One `cudaMemcpyAsync(dst, src, size, cudaMemcpyDefault, stream)` per (src, dst, size)."""
+    """Wraps one `cudaMemcpyAsync(dst, src, size, cudaMemcpyDefault, stream)` per
+    (src, dst, size); returns without waiting. Raises CuPy's `CUDARuntimeError`."""
     copy = cupy().cuda.runtime.memcpyAsync
     for s, d, n in runs:
         copy(d, s, n, _MEMCPY_DEFAULT, stream)
@@ -222,7 +237,8 @@ class BatchCopier:
         dst_device: int = -1,
         max_batch: int = MAX_BATCH,
     ) -> None:
-        """`cuMemcpyBatchAsync(dsts, srcs, sizes, count, attrs, {0}, 1, [failIdx,] stream)`.
+        """Wraps `cuMemcpyBatchAsync(dsts, srcs, sizes, count, attrs, {0}, 1, [failIdx,]
+        stream)`, once per `max_batch` descriptors; returns without waiting for the copies.
 
         `src`, `dst`, `sizes` are contiguous uint64 arrays (read during the call only);
         `stream` must not be the legacy NULL stream. Raises CudaCallError on failure.
@@ -250,7 +266,8 @@ class BatchCopier:
 
 
 def _get_proc(lib: ctypes.CDLL, name: str, version: int) -> int:
-    """`cuGetProcAddress_v2(name, &pfn, version, CU_GET_PROC_ADDRESS_LEGACY_STREAM, &status)`.
+    """Wraps `cuGetProcAddress_v2(name, &pfn, version, CU_GET_PROC_ADDRESS_LEGACY_STREAM,
+    &status)`; never blocks.
 
     Falls back to the 4-argument `cuGetProcAddress` of pre-12.0 drivers. 0 if not found.
     """
@@ -274,7 +291,8 @@ def _get_proc(lib: ctypes.CDLL, name: str, version: int) -> int:
 
 
 def error_name(lib: ctypes.CDLL, code: int) -> str:
-    """`cuGetErrorName(code)`, or a placeholder when the driver does not know it."""
+    """Wraps `cuGetErrorName(code)`; never blocks. A placeholder when the driver does not
+    know the code."""
     out = ctypes.c_char_p()
     try:
         fn = lib.cuGetErrorName
@@ -291,7 +309,8 @@ _libcuda: ctypes.CDLL | None = None
 
 
 def libcuda() -> ctypes.CDLL:
-    """The driver library, opened on first use (raises OSError where it is missing)."""
+    """Wraps `dlopen("libcuda.so.1")` at the first call; raises OSError where it is
+    missing."""
     global _libcuda
     if _libcuda is None:
         _libcuda = ctypes.CDLL("libcuda.so.1")
@@ -332,8 +351,8 @@ class KernelLauncher:
         return bufs
 
     def __call__(self, grid: int, block: int, stream: int, args: list[int]) -> None:
-        """`cuLaunchKernel(f, grid,1,1, block,1,1, 0, stream, params, NULL)`; raises
-        CudaCallError on failure."""
+        """Wraps `cuLaunchKernel(f, grid,1,1, block,1,1, 0, stream, params, NULL)`; returns
+        without waiting for the kernel. Raises CudaCallError on failure."""
         words, params = self._buffers()
         words[:] = args
         rc = self._fn(self._func, grid, 1, 1, block, 1, 1, 0, stream, params, None)
@@ -346,8 +365,9 @@ _batch_missing = False
 
 
 def batch_copier() -> BatchCopier | None:
-    """The process-wide `cuMemcpyBatchAsync` caller, or None where the driver lacks it
-    (drivers before 12.8, or libcuda not loadable); looked up once."""
+    """Wraps `cuDriverGetVersion` and the lookup of `cuMemcpyBatchAsync` (once per
+    process); never blocks. The process-wide caller, or None where the driver lacks it
+    (drivers before 12.8, or libcuda not loadable)."""
     global _batch, _batch_missing
     with _lock:
         if _batch is not None or _batch_missing:
