@@ -10,9 +10,12 @@ Facts this path is built on (H200, ../shared/probes/staged_rows.py and the bench
   SMs to the model, where an SM copy straight over PCIe holds its CTAs for the whole
   transfer (a direct warp kernel cut a concurrent matmul to 44% during stores);
 - the copy engines ignore stream priorities and run queued DMA in order, so pack and DMA
-  overlap only across streams: slabs alternate between two staging buffers, the kernel
-  runs on the transfer's stream, the DMA on a helper stream, and events hand each buffer
-  back and forth.
+  overlap only across streams: slabs go round-robin through the staging buffers (four by
+  default), the kernel runs on the transfer's stream, the DMA on a helper stream, and
+  events hand each buffer back and forth;
+- with only two buffers, 4 KiB loads beside a bf16 matmul moved 56% of the link: the
+  matmul's kernels hold the SMs, an unpack starts late, and the next DMA into its buffer
+  waits for it. More buffers let the copy engines run ahead.
 
 Per transfer, one pinned job upload (every slab's kernel job); per slab one kernel launch
 (the table kernel over a staging `RefTable` of its buffer), one DMA call
