@@ -25,15 +25,6 @@ from ._arguments import chunks_for, ids_by_keyword
 from ._arrays import array_info
 from ._backends import Backend, Direction, HostMemory, Stream, load_backend
 from ._completion import CompletionEngine
-from ._descriptors import (
-    Ids,
-    RefTable,
-    SideGeometry,
-    TransferPlan,
-    build_plan,
-    build_ref_table,
-    split_plan,
-)
 from ._errors import (
     BackendUnavailableError,
     InvalidTransferError,
@@ -43,6 +34,15 @@ from ._errors import (
 from ._hostmem import row_offsets
 from ._layout import KVCacheLayout
 from ._lifecycle import Lifecycle, completing_here, refuse_blocking_wait
+from ._program import (
+    Ids,
+    RefTable,
+    SideGeometry,
+    TransferPlan,
+    build_plan,
+    build_ref_table,
+    split_plan,
+)
 from ._scheduler import DirectionQueue
 from ._transfer import LayeredTransfer, Transfer
 

@@ -39,7 +39,6 @@ from typing import Any
 
 from ._backends import Backend, Direction, Event, Stream
 from ._completion import SPIN_WINDOW, CompletionEngine
-from ._descriptors import TransferPlan
 from ._errors import OffloaderBrokenError, OffloaderClosedError, TransferFailedError
 from ._lifecycle import (
     enter_completion,
@@ -49,6 +48,7 @@ from ._lifecycle import (
     raise_stashed,
     timed_acquire,
 )
+from ._program import TransferPlan
 from ._transfer import Transfer, TransferResult
 
 __all__ = ["DirectionQueue"]

@@ -45,7 +45,7 @@ import numpy as np
 
 from .._errors import BackendUnavailableError, InvalidTransferError, TransferFailedError
 from .._hostmem import MAX_REGISTER_CHUNK_BYTES, host_memory
-from .._staged import build_staged, prepare_staged
+from .._program import build_staged, prepare_staged
 from . import _cudart
 from ._base import Backend, Direction, Event, HostMemory, Stream
 from ._cuda_kernels import CopyKernels, PackedTable, pack_job, pack_table, split_descriptors
@@ -54,7 +54,7 @@ from ._cudart import cupy
 
 if TYPE_CHECKING:
     from .._arrays import ArrayInfo
-    from .._descriptors import RefTable, TransferPlan
+    from .._program import RefTable, TransferPlan
 
 __all__ = ["DEFAULT_GRID", "Calibration", "CudaBackend", "CudaEvent", "CudaStream"]
 
@@ -802,7 +802,7 @@ class CudaBackend(Backend):
         src: np.ndarray, dst: np.ndarray, sizes: np.ndarray,
     ) -> float:
         """Wall seconds from the first host call until the copies drained."""
-        from .._descriptors import TransferPlan
+        from .._program import TransferPlan
 
         rt = cupy().cuda.runtime
         t0 = time.perf_counter()
