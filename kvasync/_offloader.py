@@ -33,7 +33,7 @@ from ._errors import (
 )
 from ._hostmem import row_offsets
 from ._layout import KVCacheLayout
-from ._lifecycle import Lifecycle, completing_here, refuse_blocking_wait
+from ._lifecycle import Lifecycle
 from ._program import (
     Ids,
     RefTable,
@@ -44,6 +44,7 @@ from ._program import (
     split_plan,
 )
 from ._scheduler import DirectionQueue
+from ._threadstate import completing_here, refuse_blocking_wait
 from ._transfer import LayeredTransfer, Transfer
 
 __all__ = ["Offloader"]

@@ -38,9 +38,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._backends import Backend, Direction, Event, Stream
-from ._completion import SPIN_WINDOW, CompletionEngine
+from ._completion import CompletionEngine
 from ._errors import OffloaderBrokenError, OffloaderClosedError, TransferFailedError
-from ._lifecycle import (
+from ._polling import SPIN_WINDOW
+from ._program import TransferPlan
+from ._threadstate import (
     enter_completion,
     exit_completion,
     mark_library_thread,
@@ -48,7 +50,6 @@ from ._lifecycle import (
     raise_stashed,
     timed_acquire,
 )
-from ._program import TransferPlan
 from ._transfer import Transfer, TransferResult
 
 __all__ = ["DirectionQueue"]
@@ -200,7 +201,7 @@ class DirectionQueue:
             eta = max(now, self._tail_eta) + self.latency + plan.nbytes / self.bandwidth
             self._tail_eta = eta
             rec = _InFlight(transfer, plan, stream, start, end, order, error, eta)
-            transfer._queue = self
+            transfer._poller = self
             transfer._eta = eta
             self._fifo.append(rec)  # deque appends are atomic; order is set by self._lock
             if not self.lazy:

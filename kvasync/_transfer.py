@@ -23,22 +23,19 @@ import threading
 import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from ._completion import SPIN_GRACE, SPIN_WINDOW
 from ._errors import TransferFailedError
 from ._future import Callback, FutureMethods, Relay
-from ._lifecycle import (
+from ._polling import SPIN_GRACE, SPIN_WINDOW, Poller
+from ._threadstate import (
     on_library_thread,
     raise_stashed,
     refuse_blocking_wait,
     stash_base_exception,
 )
 
-if TYPE_CHECKING:
-    from ._completion import CompletionEngine
-
-__all__ = ["LayeredTransfer", "Transfer", "TransferResult"]
+__all__ = ["LayeredTransfer", "LoopFutures", "Transfer", "TransferResult"]
 
 log = logging.getLogger("kvasync")
 
@@ -51,6 +48,21 @@ class TransferResult:
     success: bool
     bytes: int
     seconds: float
+
+
+class LoopFutures(Protocol):
+    """What a transfer needs from the completion engine (`_completion.CompletionEngine`):
+    loop futures for its awaiters and loop-side done-callbacks. Declared here, so the
+    engine depends on the transfer and not the other way round."""
+
+    def future_for(self, transfer: Transfer) -> asyncio.Future[TransferResult] | None: ...
+
+    def future_after_callbacks(
+        self, transfer: Transfer
+    ) -> asyncio.Future[TransferResult] | None: ...
+
+    def watch(self, transfer: Transfer, callback: tuple[Any, asyncio.AbstractEventLoop, Any]
+              ) -> bool: ...
 
 
 class Transfer(FutureMethods):
@@ -70,7 +82,7 @@ class Transfer(FutureMethods):
         "_error",
         "_eta",
         "_loop_callbacks",
-        "_queue",
+        "_poller",
         "_resolvers",
         "_result",
         "direction",
@@ -78,7 +90,7 @@ class Transfer(FutureMethods):
         "nbytes",
     )
 
-    def __init__(self, job_id: int, direction: str, nbytes: int, engine: CompletionEngine) -> None:
+    def __init__(self, job_id: int, direction: str, nbytes: int, engine: LoopFutures) -> None:
         self.job_id = job_id
         #: "d2h" for stores, "h2d" for loads
         self.direction = direction
@@ -94,8 +106,9 @@ class Transfer(FutureMethods):
         self._loop_callbacks: list[tuple[Callback, asyncio.AbstractEventLoop,
                                          contextvars.Context | None]] = []
         self._resolvers: list[Any] = []
-        #: the DirectionQueue running it and its predicted completion time (perf_counter)
-        self._queue: Any = None
+        #: set at submission: the direction running it (its waiters may poll it) and its
+        #: predicted completion time (perf_counter)
+        self._poller: Poller | None = None
         self._eta = 0.0
 
     def __repr__(self) -> str:
@@ -146,7 +159,7 @@ class Transfer(FutureMethods):
             refuse_blocking_wait("wait() for an unfinished transfer")
         start = time.perf_counter()
         deadline = None if timeout is None else start + timeout
-        q = self._queue
+        q = self._poller
         if not self.done() and q is not None and q.lazy:  # polling callers
             lead = self._eta - SPIN_WINDOW - start
             if lead > 0:
@@ -218,7 +231,7 @@ class Transfer(FutureMethods):
             loop.call_soon(_run_callback, fn, self, context=ctx)
 
     def __await__(self) -> Generator[Any, None, TransferResult]:
-        q = self._queue
+        q = self._poller
         if not self.done() and q is not None and q.spin_await:
             # hybrid completion, short transfer: the awaiting task polls the direction itself
             # between loop iterations (no resolver hop, no thread wake: ~10 us after the
