@@ -9,6 +9,7 @@ modules without running pytest.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -189,6 +190,31 @@ def test_program_imports_nothing_above_it() -> None:
         for m in program
     }
     assert not any(bad.values()), f"_program imports the layers above it: {bad}"
+
+
+def test_program_needs_only_errors_and_layout() -> None:
+    graph = import_graph()
+    outside = {d for m, deps in graph.items() if m.startswith("kvasync._program")
+               for d in deps if not d.startswith("kvasync._program")}
+    assert outside <= {"kvasync._errors", "kvasync._layout"}, outside
+
+
+@pytest.mark.parametrize("leaf", ["kvasync._errors", "kvasync._polling", "kvasync._threadstate"])
+def test_leaf_modules_import_nothing_of_kvasync(leaf: str) -> None:
+    assert import_graph()[leaf] == set()
+
+
+def test_readme_names_every_module() -> None:
+    """Every module is in the README's module table, as a file or under a folder named."""
+    text = (ROOT / "README.md").read_text()
+    table = text[text.index("| module | holds |"):].split("\n\n", 1)[0]
+    named = re.findall(r"^\| `([^`]+)` \|", table, flags=re.M)
+    missing = [
+        str(p.relative_to(ROOT)) for p in sorted((ROOT / PACKAGE).rglob("*.py"))
+        if not any(str(p.relative_to(ROOT)) == n or
+                   (n.endswith("/") and str(p.relative_to(ROOT)).startswith(n)) for n in named)
+    ]
+    assert not missing, f"modules missing from the README's module table: {missing}"
 
 
 if __name__ == "__main__":
