@@ -25,8 +25,8 @@ from ._layout import CopyRun, KVCacheLayout, KVRef, KVTensor, PageMapping
 from ._mappings import derive_page_mapping, mla_page_mapping, private_page_mapping, verify_tiling
 from ._offloader import Offloader
 from ._region import SharedHostRegion
-from ._stats import Distribution, LaneStats, OffloaderStats, PathStats, Progress
-from ._transfer import LayeredTransfer, Transfer, TransferResult
+from ._stats import Distribution, LaneStats, OffloaderStats, PathStats
+from ._transfer import LayeredTransfer, Progress, Transfer, TransferResult
 
 __version__ = "0.1.0"
 

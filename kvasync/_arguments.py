@@ -1,18 +1,29 @@
 """Checks of the public calls' arguments that are not about the request itself.
 
 `ids_by_keyword` makes the ids of `store`/`load` keyword-only with a TypeError that shows
-the right call; `chunks_for` turns a host-copy size given in bytes into whole chunks.
+the right call; `chunks_for` turns a host-copy size given in bytes into whole chunks;
+`check_sizes`, `check_staging_bytes` and `layer_spec` check the offloader's sizes and a
+layer-wise load's layers.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
 
-from ._errors import InvalidTransferError
+import numpy as np
 
-__all__ = ["chunks_for", "ids_by_keyword"]
+from ._errors import BackendUnavailableError, InvalidTransferError
+
+__all__ = [
+    "check_sizes",
+    "check_staging_bytes",
+    "chunks_for",
+    "ids_by_keyword",
+    "layer_spec",
+    "pick_backend",
+]
 
 _Method = TypeVar("_Method", bound=Callable[..., Any])
 
@@ -54,3 +65,76 @@ def chunks_for(
             f"tensors ({blocks_per_chunk} block(s) each) takes {per_chunk} B"
         )
     return chunks
+
+
+def check_sizes(
+    num_cpu_chunks: Any, cpu_bytes: Any, blocks_per_chunk: Any, max_streams: Any,
+    check_layout: Callable[[], None],
+) -> None:
+    """The offloader's sizes: exactly one of `num_cpu_chunks` and `cpu_bytes`, every size an
+    int >= 1. `check_layout` runs between the two checks (the order of the errors)."""
+    if (num_cpu_chunks is None) == (cpu_bytes is None):
+        raise InvalidTransferError(
+            "give the host copy's size as num_cpu_chunks or as cpu_bytes (exactly one), "
+            f"got num_cpu_chunks={num_cpu_chunks!r}, cpu_bytes={cpu_bytes!r}"
+        )
+    check_layout()
+    for name, value, low in (
+        ("num_cpu_chunks", num_cpu_chunks, 1),
+        ("cpu_bytes", cpu_bytes, 1),
+        ("blocks_per_chunk", blocks_per_chunk, 1),
+        ("max_streams", max_streams, 1),
+    ):
+        if value is None and name in ("num_cpu_chunks", "cpu_bytes"):
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+            raise InvalidTransferError(f"{name} must be an int >= {low}, got {value!r}")
+
+
+def check_staging_bytes(staging_bytes: int | None) -> int | None:
+    """`staging_bytes` as given (None: the backend's default), refused unless an int >= 2."""
+    if staging_bytes is not None and (
+            isinstance(staging_bytes, bool) or not isinstance(staging_bytes, int)
+            or staging_bytes < 2):
+        raise InvalidTransferError(f"staging_bytes must be an int >= 2, got {staging_bytes!r}")
+    return staging_bytes
+
+
+def layer_spec(layers: Sequence[Sequence[int]] | None, n: int) -> list[list[int]]:
+    """The layers of a layer-wise load: tensor indices, every one of the `n` exactly once
+    (default: one layer per tensor); InvalidTransferError otherwise."""
+    spec: list[list[int | None]]
+    try:
+        spec = [[i] for i in range(n)] if layers is None else [
+            [int(i) for i in x] if all(type(i) is int for i in x) else [None]
+            for x in layers
+        ]
+    except TypeError:
+        spec = [[None]]
+    flat = sorted((i for layer in spec for i in layer), key=lambda v: (v is None, v or 0))
+    if flat != list(range(n)) or any(not layer for layer in spec):
+        raise InvalidTransferError(
+            f"layers must partition the {n} tensor indices into non-empty groups, "
+            f"got {spec}"
+        )
+    return cast("list[list[int]]", spec)
+
+
+def pick_backend(name: str, device: str) -> str:
+    """The backend `name` asks for; "auto": "host" for host tensors, "cuda" for CUDA ones
+    (BackendUnavailableError where CuPy cannot use the GPU)."""
+    if name != "auto":
+        return name
+    if device != "cuda":
+        return "host"
+    try:
+        import cupy
+
+        if cupy.is_available():
+            return "cuda"
+    except ImportError:
+        pass
+    raise BackendUnavailableError(
+        "the KV tensors are CUDA tensors but CuPy cannot use the GPU; install "
+        "kvasync[cuda12] or kvasync[cuda13]"
+    )

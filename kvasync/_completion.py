@@ -29,17 +29,13 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
-from ._lifecycle import timed_acquire
+from ._polling import SPIN_GRACE, SPIN_WINDOW, Poller
+from ._threadstate import timed_acquire
 
 if TYPE_CHECKING:
     from ._transfer import Transfer, TransferResult
 
-__all__ = ["SPIN_GRACE", "SPIN_WINDOW", "CompletionEngine"]
-
-#: poll from the loop when an awaited transfer is predicted to end within this many seconds
-SPIN_WINDOW = 1.5e-3
-#: stop polling a transfer this long after its predicted end (then wait for the thread)
-SPIN_GRACE = 2e-3
+__all__ = ["CompletionEngine"]
 
 
 class _LoopResolver:
@@ -85,8 +81,8 @@ class _LoopResolver:
             self._wake_pending = False
         self._event.set()
 
-    def _queues(self) -> set[Any]:
-        return {t._queue for t in self.waiting if t._queue is not None}
+    def _pollers(self) -> set[Poller]:
+        return {t._poller for t in self.waiting if t._poller is not None}
 
     async def _run(self) -> None:
         try:
@@ -107,7 +103,7 @@ class _LoopResolver:
             await self._event.wait()
             return
         while not self._event.is_set():
-            queues = self._queues()
+            queues = self._pollers()
             if not queues:
                 break
             now = time.perf_counter()

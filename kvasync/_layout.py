@@ -20,7 +20,7 @@ from typing import Any
 from ._arrays import ArrayInfo, array_info
 from ._errors import InvalidTransferError
 from ._memory import MemoryGuard, overlapping_pair
-from ._vllm_layouts import blocks_first, check_list, layout_from_vllm
+from ._vllm_layouts import blocks_first, check_list, vllm_block_views
 
 __all__ = ["CopyRun", "KVCacheLayout", "KVRef", "KVTensor", "PageMapping"]
 
@@ -313,7 +313,8 @@ class KVCacheLayout:
         ``(num_blocks, block_size, head_size)`` layers one; stride orders (NHD, HND,
         cross-layer) are read from the strides. `block_dim` names the block dim of any other
         layout. One KV-cache group; layers sharing a tensor share its ref."""
-        return layout_from_vllm(cls, kv_caches, block_dim)
+        tensors = [KVTensor(v) for v in vllm_block_views(kv_caches, block_dim)]
+        return cls(tensors, [[KVRef(i) for i in range(len(tensors))]])
 
     @property
     def device(self) -> str:

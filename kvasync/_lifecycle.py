@@ -20,9 +20,10 @@ The rules, in order of importance:
    completing a transfer, see `completing_here`) `close()` does not wait, and a blocking
    wait for an unfinished transfer raises instead of deadlocking.
 
-The thread-local helpers below also carry callback containment: a `BaseException` (Ctrl-C,
-`SystemExit`) raised by a done-callback is logged and contained on kvasync's own threads,
-and re-raised on a caller's thread only after the completion bookkeeping is done.
+The thread-local helpers (`_threadstate.py`) also carry callback containment: a
+`BaseException` (Ctrl-C, `SystemExit`) raised by a done-callback is logged and contained on
+kvasync's own threads, and re-raised on a caller's thread only after the completion
+bookkeeping is done.
 """
 
 from __future__ import annotations
@@ -33,77 +34,16 @@ import time
 import warnings
 from typing import TYPE_CHECKING, Any
 
+from ._threadstate import completing_here
+
 if TYPE_CHECKING:
     from ._backends import Backend, HostMemory
     from ._completion import CompletionEngine
     from ._scheduler import DirectionQueue
 
-__all__ = [
-    "Lifecycle",
-    "completing_here",
-    "enter_completion",
-    "exit_completion",
-    "mark_library_thread",
-    "on_library_thread",
-    "raise_stashed",
-    "refuse_blocking_wait",
-    "stash_base_exception",
-    "timed_acquire",
-]
+__all__ = ["Lifecycle"]
 
 log = logging.getLogger("kvasync")
-
-_local = threading.local()
-
-
-# -- thread context ---------------------------------------------------------------------------
-def mark_library_thread() -> None:
-    """Called first by kvasync's own threads: nothing a callback raises may end them."""
-    _local.library = True
-
-
-def on_library_thread() -> bool:
-    return bool(getattr(_local, "library", False))
-
-
-def enter_completion() -> None:
-    """This thread starts completing a transfer (its done-callbacks are about to run)."""
-    _local.completing = getattr(_local, "completing", 0) + 1
-
-
-def exit_completion() -> None:
-    _local.completing = getattr(_local, "completing", 1) - 1
-
-
-def completing_here() -> bool:
-    """True inside a done-callback that kvasync runs while completing a transfer: the
-    transfer counts as in flight until its callbacks return, and other transfers of its
-    direction wait behind it, so nothing here may block on kvasync."""
-    return bool(getattr(_local, "completing", 0))
-
-
-def stash_base_exception(exc: BaseException) -> None:
-    """Keep the first BaseException a callback raised on a caller's thread for later."""
-    if getattr(_local, "stash", None) is None:
-        _local.stash = exc
-
-
-def raise_stashed() -> None:
-    """Re-raise what `stash_base_exception` kept (once the bookkeeping is done)."""
-    exc = getattr(_local, "stash", None)
-    if exc is not None:
-        _local.stash = None
-        raise exc
-
-
-def refuse_blocking_wait(what: str) -> None:
-    """Raise instead of deadlocking: a done-callback must not wait for transfers."""
-    if completing_here():
-        raise RuntimeError(
-            f"{what} inside a done-callback would deadlock: the callback runs while its "
-            "transfer is being completed, and transfers behind it wait for the callback to "
-            "return; note what you need and wait outside the callback"
-        )
 
 
 # -- the lifecycle ----------------------------------------------------------------------------
@@ -267,12 +207,3 @@ class Lifecycle:
                     )
                 except Exception:  # a filter that turns warnings into errors
                     log.warning("kvasync: unclosed %s released by garbage collection", what)
-
-
-def timed_acquire(lock: Any, timeout: float | None) -> bool:
-    """`lock.acquire()`, bounded when `timeout` is given (see `Lifecycle.collected`)."""
-    if timeout is None:
-        lock.acquire()
-        return True
-    return bool(lock.acquire(timeout=timeout))
-

@@ -21,53 +21,39 @@ from typing import Any
 
 import numpy as np
 
-from ._arguments import chunks_for, ids_by_keyword
-from ._arrays import array_info
+from ._arguments import (
+    check_sizes,
+    check_staging_bytes,
+    chunks_for,
+    ids_by_keyword,
+    layer_spec,
+    pick_backend,
+)
 from ._backends import Backend, Direction, HostMemory, Stream, load_backend
 from ._completion import CompletionEngine
-from ._descriptors import (
-    Ids,
-    RefTable,
-    SideGeometry,
-    TransferPlan,
-    build_plan,
-    build_ref_table,
-    split_plan,
-)
 from ._errors import (
-    BackendUnavailableError,
     InvalidTransferError,
     OffloaderClosedError,
     TransferFailedError,
 )
-from ._hostmem import row_offsets
+from ._hostside import build_host_side
 from ._layout import KVCacheLayout
-from ._lifecycle import Lifecycle, completing_here, refuse_blocking_wait
+from ._lifecycle import Lifecycle
+from ._program import (
+    Ids,
+    RefTable,
+    TransferPlan,
+    build_plan,
+    split_plan,
+)
 from ._scheduler import DirectionQueue
 from ._stats import OffloaderStats, collect
+from ._threadstate import completing_here, refuse_blocking_wait
 from ._transfer import LayeredTransfer, Transfer
 
 __all__ = ["Offloader"]
 
 log = logging.getLogger("kvasync")
-
-
-def _pick_backend(name: str, layout: KVCacheLayout) -> str:
-    if name != "auto":
-        return name
-    if layout.device != "cuda":
-        return "host"
-    try:
-        import cupy
-
-        if cupy.is_available():
-            return "cuda"
-    except ImportError:
-        pass
-    raise BackendUnavailableError(
-        "the KV tensors are CUDA tensors but CuPy cannot use the GPU; install "
-        "kvasync[cuda12] or kvasync[cuda13]"
-    )
 
 
 class Offloader:
@@ -110,22 +96,8 @@ class Offloader:
     ) -> None:
         if not isinstance(layout, KVCacheLayout):
             raise InvalidTransferError(f"layout must be a KVCacheLayout, got {type(layout)}")
-        if (num_cpu_chunks is None) == (cpu_bytes is None):
-            raise InvalidTransferError(
-                "give the host copy's size as num_cpu_chunks or as cpu_bytes (exactly one), "
-                f"got num_cpu_chunks={num_cpu_chunks!r}, cpu_bytes={cpu_bytes!r}"
-            )
-        layout._guard.check()  # its tensors still own the memory the layout read
-        for name, value, low in (
-            ("num_cpu_chunks", num_cpu_chunks, 1),
-            ("cpu_bytes", cpu_bytes, 1),
-            ("blocks_per_chunk", blocks_per_chunk, 1),
-            ("max_streams", max_streams, 1),
-        ):
-            if value is None and name in ("num_cpu_chunks", "cpu_bytes"):
-                continue
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-                raise InvalidTransferError(f"{name} must be an int >= {low}, got {value!r}")
+        check_sizes(num_cpu_chunks, cpu_bytes, blocks_per_chunk, max_streams,
+                    layout._guard.check)  # its tensors still own the memory the layout read
         self.layout = layout
         self.blocks_per_chunk = int(blocks_per_chunk)
         self.canonical = bool(canonical)
@@ -139,16 +111,11 @@ class Offloader:
         if isinstance(backend, Backend):
             self.backend = backend
         else:
-            self.backend = load_backend(
-                _pick_backend(backend, layout), tensor_kind=first.kind, device_id=first.device_id
-            )
-        if staging_bytes is not None:
-            if (isinstance(staging_bytes, bool) or not isinstance(staging_bytes, int)
-                    or staging_bytes < 2):
-                raise InvalidTransferError(
-                    f"staging_bytes must be an int >= 2, got {staging_bytes!r}")
-            if hasattr(self.backend, "staging_bytes"):
-                self.backend.staging_bytes = int(staging_bytes)
+            self.backend = load_backend(pick_backend(backend, layout.device),
+                                        tensor_kind=first.kind, device_id=first.device_id)
+        staging = check_staging_bytes(staging_bytes)
+        if staging is not None and hasattr(self.backend, "staging_bytes"):
+            self.backend.staging_bytes = int(staging)
         if copy_path != "auto" and copy_path not in self.backend.paths:
             raise InvalidTransferError(
                 f"copy_path {copy_path!r} is not one of {('auto', *self.backend.paths)}"
@@ -160,70 +127,16 @@ class Offloader:
         self._compute_override = compute_stream
         self.backend.compute_stream(compute_stream)  # validate early
 
-        # host side: one view per KV tensor
+        # host side: memory or region views, pinning, geometry, ref tables
         sub = canon_sizes if canon_sizes is not None else [t.page for t in layout.tensors]
-        pages = [s * self.blocks_per_chunk for s in sub]
-        self._host_mem: list[HostMemory] = []
         self._region = host_region
-        views: list[np.ndarray] = []
-        if host_region is not None:
-            for page in pages:
-                if self.canonical:
-                    view = host_region.create_next_canonical_view(page)
-                else:
-                    view = host_region.create_next_worker_view(page)
-                if view.shape[0] < self.num_cpu_chunks:
-                    raise InvalidTransferError(
-                        f"host_region has {view.shape[0]} rows, need num_cpu_chunks="
-                        f"{self.num_cpu_chunks}"
-                    )
-                views.append(view[: self.num_cpu_chunks])
-            pin = self.backend.pin_functions()
-            if pin is not None and not host_region.is_pinned:
-                host_region.pin(*pin)
-            self.host_pinned = bool(host_region.is_pinned) or pin is None
-            for v in views:
-                self.backend.register_array(array_info(v))
-        else:
-            # one row per chunk, every tensor's sub-blocks side by side (see row_offsets)
-            offsets, row_bytes = row_offsets(layout, pages)
-            try:
-                mem = self.backend.alloc_host(self.num_cpu_chunks * row_bytes, row_bytes)
-            except OSError as exc:
-                raise InvalidTransferError(
-                    f"cannot allocate {self.num_cpu_chunks * row_bytes} B of host memory "
-                    f"for num_cpu_chunks={self.num_cpu_chunks}: {exc}"
-                ) from exc
-            self._host_mem.append(mem)
-            rows = mem.array[: self.num_cpu_chunks * row_bytes].reshape(-1, row_bytes)
-            views = [rows[:, off : off + page] for off, page in zip(offsets, pages)]
-            self.host_pinned = mem.pinned or self.backend.pin_functions() is None
-        self._cpu_views = views
-        self._chunk_bytes = sum(pages)
-
-        gpu_geo = SideGeometry(
-            base=[t.info.ptr for t in layout.tensors],
-            row_stride=[
-                t.info.row_stride if t.num_blocks > 1 else t.info.row_bytes for t in layout.tensors
-            ],
-            sub_stride=[0] * len(layout.tensors),
-            num_rows=[t.num_blocks for t in layout.tensors],
-            factor=1,
-        )
-        host_geo = SideGeometry(
-            base=[int(v.ctypes.data) for v in views],
-            row_stride=[int(v.strides[0]) for v in views],
-            sub_stride=list(sub),
-            num_rows=[self.num_cpu_chunks] * len(views),
-            factor=self.blocks_per_chunk,
-        )
-        self._tables: dict[Direction, RefTable] = {
-            "d2h": build_ref_table(layout, gpu_geo, host_geo, True, self.canonical),
-            "h2d": build_ref_table(layout, gpu_geo, host_geo, False, self.canonical),
-        }
-        for table in self._tables.values():
-            table.owners += [*self._host_mem, *([host_region] if host_region is not None else []),
-                             layout]  # its tensors (and their torch storages) too
+        host = build_host_side(layout, self.backend, sub, self.num_cpu_chunks,
+                               self.blocks_per_chunk, self.canonical, host_region)
+        self._host_mem: list[HostMemory] = host.memory
+        self._cpu_views = host.views
+        self._chunk_bytes = host.chunk_bytes
+        self.host_pinned = host.pinned
+        self._tables: dict[Direction, RefTable] = host.tables
         self._engine = CompletionEngine(completion)
         self._both_ways_at = -1e9  # perf_counter of the last submission that saw both busy
         lanes: list[tuple[Direction, bool]] = [
@@ -276,14 +189,8 @@ class Offloader:
         return any(q.failure is not None for q in self._queues.values())
 
     def stats(self) -> OffloaderStats:
-        """A frozen snapshot of every lane's counters and timings (docs/metrics.md).
-
-        Per direction and lane: transfers, bytes and device seconds by concrete copy path,
-        failures, transfers in flight and the oldest one's age, and percentiles (over the
-        last 1024 transfers) plus cumulative histograms of the copy time (device, start to
-        end event), the latency (host, submission to completion seen) and the queue wait
-        (latency minus copy time). Cheap to keep (O(1) per transfer); works after `close()`.
-        """
+        """A frozen snapshot of every lane's counters and timings by copy path, in flight and
+        failed, with time percentiles (docs/metrics.md); O(1) per transfer to keep."""
         return collect(q.stats for q in self._queues.values())
 
     @ids_by_keyword("store(gpu_blocks=[...], cpu_chunks=[...])")
@@ -352,21 +259,7 @@ class Offloader:
         Transfer of layer i and `t.wait_layer(i, stream)` makes a compute stream wait (on the
         device, without blocking the host) until layer i has landed.
         """
-        n = len(self.layout.tensors)
-        spec: list[list[int | None]]
-        try:
-            spec = [[i] for i in range(n)] if layers is None else [
-                [int(i) for i in x] if all(type(i) is int for i in x) else [None]
-                for x in layers
-            ]
-        except TypeError:
-            spec = [[None]]
-        flat = sorted((i for layer in spec for i in layer), key=lambda v: (v is None, v or 0))
-        if flat != list(range(n)) or any(not layer for layer in spec):
-            raise InvalidTransferError(
-                f"layers must partition the {n} tensor indices into non-empty groups, "
-                f"got {spec}"
-            )
+        spec = layer_spec(layers, len(self.layout.tensors))
         if self._closed:
             raise OffloaderClosedError("the offloader is closed")
         self._path(path)
@@ -374,7 +267,7 @@ class Offloader:
         plan = build_plan(self._tables["h2d"], gpu_blocks, cpu_chunks, group_sizes,
                           block_indices, False, self.num_cpu_chunks,
                           self.backend.reads_plan_later)
-        parts = split_plan(plan, spec)  # type: ignore[arg-type]  # validated: ints
+        parts = split_plan(plan, spec)
         jid = job_id if job_id is not None else next(self._job_ids)
         signals = [self.backend.new_event(timing=False) for _ in parts]
         transfers = [

@@ -38,21 +38,18 @@ from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ._transfer import LayeredTransfer, Transfer, TransferResult
+    from ._transfer import TransferResult
 
 __all__ = [
     "LaneRecorder",
     "LaneStats",
     "OffloaderStats",
     "PathStats",
-    "Progress",
     "Distribution",
     "collect",
-    "layered_progress",
-    "transfer_progress",
 ]
 
 log = logging.getLogger("kvasync")
@@ -65,18 +62,6 @@ SECONDS_BUCKETS: tuple[float, ...] = (
     0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 )
 SIZE_BUCKETS: tuple[float, ...] = tuple(float(4 ** k * 1024) for k in range(1, 12))  # 4 KiB..4 GiB
-
-
-class Progress(NamedTuple):
-    """Bytes of a transfer that have landed, and its total: `done, total = t.progress()`."""
-
-    done: int
-    total: int
-
-    @property
-    def fraction(self) -> float:
-        """`done / total`; 1.0 for a transfer of no bytes."""
-        return 1.0 if self.total == 0 else self.done / self.total
 
 
 @dataclass(frozen=True)
@@ -343,16 +328,3 @@ class LaneRecorder:
 def collect(recorders: Iterable[LaneRecorder]) -> OffloaderStats:
     """One snapshot of every lane, in the order given."""
     return OffloaderStats(tuple(r.snapshot() for r in recorders), time.monotonic())
-
-
-def transfer_progress(t: Transfer) -> Progress:
-    """A transfer's bytes are known to have landed only when its end event completed:
-    (0, n) until then, (n, n) once it succeeded; a failed one stays at (0, n)."""
-    ok = t.done() and t.exception() is None
-    return Progress(t.nbytes if ok else 0, t.nbytes)
-
-
-def layered_progress(t: LayeredTransfer) -> Progress:
-    """The bytes of the layers that have landed (each layer has its own end event)."""
-    parts = [transfer_progress(layer) for layer in t.layers]
-    return Progress(sum(p.done for p in parts), sum(p.total for p in parts))

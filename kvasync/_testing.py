@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._descriptors import TransferPlan
 from ._offloader import Offloader
+from ._program import TransferPlan
 from ._transfer import Transfer
 
 __all__ = ["submit_raw"]

@@ -23,25 +23,34 @@ import threading
 import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, NamedTuple, Protocol
 
-from ._completion import SPIN_GRACE, SPIN_WINDOW
 from ._errors import TransferFailedError
 from ._future import Callback, FutureMethods, Relay
-from ._lifecycle import (
+from ._polling import SPIN_GRACE, SPIN_WINDOW, Poller
+from ._threadstate import (
     on_library_thread,
     raise_stashed,
     refuse_blocking_wait,
     stash_base_exception,
 )
-from ._stats import Progress, layered_progress, transfer_progress
 
-if TYPE_CHECKING:
-    from ._completion import CompletionEngine
-
-__all__ = ["LayeredTransfer", "Transfer", "TransferResult"]
+__all__ = ["LayeredTransfer", "LoopFutures", "Progress", "Transfer", "TransferResult",
+           "layered_progress", "transfer_progress"]
 
 log = logging.getLogger("kvasync")
+
+
+class Progress(NamedTuple):
+    """Bytes of a transfer that have landed, and its total: `done, total = t.progress()`."""
+
+    done: int
+    total: int
+
+    @property
+    def fraction(self) -> float:
+        """`done / total`; 1.0 for a transfer of no bytes."""
+        return 1.0 if self.total == 0 else self.done / self.total
 
 
 @dataclass(frozen=True)
@@ -52,6 +61,21 @@ class TransferResult:
     success: bool
     bytes: int
     seconds: float
+
+
+class LoopFutures(Protocol):
+    """What a transfer needs from the completion engine (`_completion.CompletionEngine`):
+    loop futures for its awaiters and loop-side done-callbacks. Declared here, so the
+    engine depends on the transfer and not the other way round."""
+
+    def future_for(self, transfer: Transfer) -> asyncio.Future[TransferResult] | None: ...
+
+    def future_after_callbacks(
+        self, transfer: Transfer
+    ) -> asyncio.Future[TransferResult] | None: ...
+
+    def watch(self, transfer: Transfer, callback: tuple[Any, asyncio.AbstractEventLoop, Any]
+              ) -> bool: ...
 
 
 class Transfer(FutureMethods):
@@ -71,7 +95,7 @@ class Transfer(FutureMethods):
         "_error",
         "_eta",
         "_loop_callbacks",
-        "_queue",
+        "_poller",
         "_resolvers",
         "_result",
         "direction",
@@ -79,7 +103,7 @@ class Transfer(FutureMethods):
         "nbytes",
     )
 
-    def __init__(self, job_id: int, direction: str, nbytes: int, engine: CompletionEngine) -> None:
+    def __init__(self, job_id: int, direction: str, nbytes: int, engine: LoopFutures) -> None:
         self.job_id = job_id
         #: "d2h" for stores, "h2d" for loads
         self.direction = direction
@@ -95,8 +119,9 @@ class Transfer(FutureMethods):
         self._loop_callbacks: list[tuple[Callback, asyncio.AbstractEventLoop,
                                          contextvars.Context | None]] = []
         self._resolvers: list[Any] = []
-        #: the DirectionQueue running it and its predicted completion time (perf_counter)
-        self._queue: Any = None
+        #: set at submission: the direction running it (its waiters may poll it) and its
+        #: predicted completion time (perf_counter)
+        self._poller: Poller | None = None
         self._eta = 0.0
 
     def __repr__(self) -> str:
@@ -151,7 +176,7 @@ class Transfer(FutureMethods):
             refuse_blocking_wait("wait() for an unfinished transfer")
         start = time.perf_counter()
         deadline = None if timeout is None else start + timeout
-        q = self._queue
+        q = self._poller
         if not self.done() and q is not None and q.lazy:  # polling callers
             lead = self._eta - SPIN_WINDOW - start
             if lead > 0:
@@ -223,7 +248,7 @@ class Transfer(FutureMethods):
             loop.call_soon(_run_callback, fn, self, context=ctx)
 
     def __await__(self) -> Generator[Any, None, TransferResult]:
-        q = self._queue
+        q = self._poller
         if not self.done() and q is not None and q.spin_await:
             # hybrid completion, short transfer: the awaiting task polls the direction itself
             # between loop iterations (no resolver hop, no thread wake: ~10 us after the
@@ -387,3 +412,16 @@ class LayeredTransfer(FutureMethods):
 
     def __repr__(self) -> str:
         return f"<LayeredTransfer job_id={self.job_id} {len(self.layers)} layers>"
+
+
+def transfer_progress(t: Transfer) -> Progress:
+    """A transfer's bytes are known to have landed only when its end event completed:
+    (0, n) until then, (n, n) once it succeeded; a failed one stays at (0, n)."""
+    ok = t.done() and t.exception() is None
+    return Progress(t.nbytes if ok else 0, t.nbytes)
+
+
+def layered_progress(t: LayeredTransfer) -> Progress:
+    """The bytes of the layers that have landed (each layer has its own end event)."""
+    parts = [transfer_progress(layer) for layer in t.layers]
+    return Progress(sum(p.done for p in parts), sum(p.total for p in parts))

@@ -20,18 +20,15 @@ ranges split by a K/V dim of size 2 (two tensors, the K and the V view, one ref 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
 from ._arrays import ArrayInfo, array_info, is_array, move_to_front, select
 from ._errors import InvalidTransferError
 
-if TYPE_CHECKING:
-    from ._layout import KVCacheLayout
-
-__all__ = ["blocks_first", "check_list", "layout_from_vllm"]
+__all__ = ["blocks_first", "check_list", "vllm_block_views"]
 
 
 def check_list(tensors: Any, where: str) -> None:
@@ -160,13 +157,10 @@ def _entries(kv_caches: Any) -> list[tuple[str, Any]]:
     return items
 
 
-def layout_from_vllm(
-    cls: type[KVCacheLayout], kv_caches: Any, block_dim: int | None = None
-) -> KVCacheLayout:
-    """`KVCacheLayout.from_vllm` (see there): one group, layers in the order given."""
-    from ._layout import KVRef, KVTensor
-
-    tensors: list[KVTensor] = []
+def vllm_block_views(kv_caches: Any, block_dim: int | None = None) -> Iterator[Any]:
+    """The views `KVCacheLayout.from_vllm` makes one `KVTensor` each of, in layer order:
+    blocks first, one byte range per block; a layer sharing another's cache is skipped.
+    A generator, so each view is checked as the layout takes it."""
     seen: set[tuple[Any, ...]] = set()
     for name, t in _entries(kv_caches):
         t = _viewable(t)
@@ -177,5 +171,4 @@ def layout_from_vllm(
         seen.add(key)
         dim = (_guess_block_dim(info.shape, name) if block_dim is None
                else _block_dim_arg(block_dim, info.shape, name))
-        tensors.extend(KVTensor(v) for v in _split(t, dim, name))
-    return cls(tensors, [[KVRef(i) for i in range(len(tensors))]])
+        yield from _split(t, dim, name)

@@ -9,14 +9,14 @@ from hypothesis import strategies as st
 from oracle import Ref, Side, byte_map, copies
 
 import kvasync as kv
-from kvasync._descriptors import (
+from kvasync._layout import CopyRun, KVCacheLayout, KVRef, KVTensor, PageMapping
+from kvasync._program import (
     SideGeometry,
     build_plan,
     build_ref_table,
     coalesce,
     split_plan,
 )
-from kvasync._layout import CopyRun, KVCacheLayout, KVRef, KVTensor, PageMapping
 
 BIG = 1 << 40  # fake, widely spaced base addresses: the math must be 64-bit
 
@@ -244,7 +244,7 @@ def test_small_fast_path_equals_general_path(
        st.booleans())
 def test_duplicate_check_agrees_with_a_set(ids: list[int], ordered: bool, dup: bool) -> None:
     """The large-request duplicate check (sorted shortcut, bitmap, sort) against a set."""
-    from kvasync._descriptors import _check_unique
+    from kvasync._program.build import _check_unique
 
     if ordered:
         ids = sorted(set(ids))

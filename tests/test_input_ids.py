@@ -140,11 +140,11 @@ def test_the_vllm_facade_refuses_bool_ids() -> None:
 
 
 def test_ids_type_accepts_what_runs() -> None:
-    """The `Ids` hint names what `_as_ids` takes: sequences, NumPy arrays, and anything with
+    """The `Ids` hint names what `as_ids` takes: sequences, NumPy arrays, and anything with
     `__array__` (a torch tensor)."""
     import typing
 
-    from kvasync._descriptors import IdArray, Ids
+    from kvasync._program import IdArray, Ids
 
     args = typing.get_args(Ids)
     assert np.ndarray in args and IdArray in args

@@ -9,9 +9,16 @@ from hypothesis import strategies as st
 from oracle import Ref, Side, byte_map, copies
 from test_descriptors_property import BIG, scenario
 
-from kvasync._descriptors import SideGeometry, build_plan, build_ref_table, split_plan
 from kvasync._layout import KVCacheLayout, KVRef, KVTensor
-from kvasync._staged import build_staged, kernel_plan, slab_descriptors
+from kvasync._program import (
+    SideGeometry,
+    build_plan,
+    build_ref_table,
+    build_staged,
+    kernel_plan,
+    slab_descriptors,
+    split_plan,
+)
 
 STAGE = BIG * 64  # staging buffers: one per slab, far from everything else
 
@@ -151,7 +158,7 @@ def test_small_request_fast_path_matches_the_general_path(
 ) -> None:
     """One group, one block per chunk, few ids: the plain-Python staging (including the
     one-run path for consecutive whole rows) gives the general path's bytes."""
-    import kvasync._staged as staged_mod
+    import kvasync._program.staged as staged_mod
 
     tensors = [KVTensor(np.zeros((16, page), np.uint8)) for _ in range(n_t)]
     layout = KVCacheLayout(tensors)
@@ -188,7 +195,7 @@ def test_small_request_fast_path_matches_the_general_path(
 def test_plain_python_staging_matches_the_numpy_path(s: dict, data: st.DataObject) -> None:  # type: ignore[type-arg]
     """Any small request (groups, skips, bpc 1-4, canonical rotation, several slabs): the
     plain-Python program moves exactly the NumPy path's bytes."""
-    import kvasync._staged as staged_mod
+    import kvasync._program.staged as staged_mod
 
     table, expected, row = _setup(s, data)
     plan = build_plan(table, s["gpu"], s["cpu"], s["gsizes"], s["bidx"], s["store"],

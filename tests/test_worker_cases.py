@@ -12,7 +12,7 @@ import pytest
 from support import Mem
 
 import kvasync as kv
-from kvasync._descriptors import build_ref_table
+from kvasync._program import build_ref_table
 from kvasync.compat.vllm import CPULoadStoreSpec, CPUOffloadingWorker, GPULoadStoreSpec
 
 NUM_GPU_BLOCKS = 64
@@ -142,7 +142,7 @@ NHD_TP4_RANK2 = kv.PageMapping(
 
 
 def _canonical_table(mapping: kv.PageMapping, gpu_to_cpu: bool):  # type: ignore[no-untyped-def]
-    from kvasync._descriptors import SideGeometry
+    from kvasync._program import SideGeometry
 
     t = np.zeros((4, mapping.local_page_size_bytes), dtype=np.uint8)
     layout = kv.KVCacheLayout([kv.KVTensor(t)], [[kv.KVRef(0, mapping=mapping)]])
@@ -174,7 +174,7 @@ def test_writer_rotation_matches_is_writer() -> None:
     layout = kv.KVCacheLayout([kv.KVTensor(gpu)], [[kv.KVRef(0, mapping=mapping)]])
     off = kv.Offloader(layout, num_cpu_chunks=10, blocks_per_chunk=4, backend="host",
                        canonical=True)
-    from kvasync._descriptors import build_plan
+    from kvasync._program import build_plan
 
     plan = build_plan(off._tables["d2h"], list(range(10)), [3, 7, 9], [10], [2], True, 10)
     ids = [14, 15, 28, 29, 30, 31, 36, 37, 38, 39]

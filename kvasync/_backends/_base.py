@@ -25,7 +25,7 @@ import numpy as np
 
 if TYPE_CHECKING:
     from .._arrays import ArrayInfo
-    from .._descriptors import TransferPlan
+    from .._program import TransferPlan
 
 __all__ = ["Backend", "Direction", "Event", "HostMemory", "Stream"]
 

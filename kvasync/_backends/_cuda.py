@@ -23,7 +23,7 @@ import threading
 from typing import TYPE_CHECKING
 
 from .._errors import InvalidTransferError, TransferFailedError
-from .._staged import build_staged, prepare_staged
+from .._program import build_staged, prepare_staged
 from . import _cuda_dma, _cuda_policy, _cudart
 from ._base import Direction, Stream
 from ._cuda_device import (
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from collections import OrderedDict
     from collections.abc import Sequence
 
-    from .._descriptors import TransferPlan
+    from .._program import TransferPlan
     from ._cuda_kernel import _TableEntry
 
 __all__ = ["DEFAULT_GRID", "Calibration", "CudaBackend", "CudaEvent", "CudaStream"]

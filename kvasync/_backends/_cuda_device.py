@@ -35,7 +35,7 @@ from ._cudart import cupy
 
 if TYPE_CHECKING:
     from .._arrays import ArrayInfo
-    from .._descriptors import RefTable, TransferPlan
+    from .._program import RefTable, TransferPlan
 
 __all__ = ["CudaDevice", "CudaEvent", "CudaStream", "RegisteredCheck"]
 

@@ -48,7 +48,7 @@ from ._cuda_device import CudaStream, _failure, device
 from ._cudart import cupy
 
 if TYPE_CHECKING:
-    from .._descriptors import TransferPlan
+    from .._program import TransferPlan
 
 __all__ = ["EACH_RUNS", "FAN_JOIN_PIECES", "FAN_MIN_BYTES", "FAN_OUT", "DmaPath", "FanRound"]
 

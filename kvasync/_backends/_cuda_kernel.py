@@ -35,7 +35,7 @@ from ._cuda_kernels import CopyKernels, PackedTable, pack_job, pack_table, split
 from ._cudart import cupy
 
 if TYPE_CHECKING:
-    from .._descriptors import RefTable, TransferPlan
+    from .._program import RefTable, TransferPlan
 
 __all__ = ["DEFAULT_GRID", "KernelPath", "StagingPool", "TableCache"]
 

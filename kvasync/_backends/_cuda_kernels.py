@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
-    from .._descriptors import RefTable, Segment
+    from .._program import RefTable, Segment
 
 __all__ = [
     "BLOCK",

@@ -49,7 +49,7 @@ from ._cuda_device import CudaStream, device
 from ._cudart import cupy
 
 if TYPE_CHECKING:
-    from .._descriptors import TransferPlan
+    from .._program import TransferPlan
 
 __all__ = [
     "CAL_BYTES",
@@ -255,7 +255,7 @@ def _time_raw(
 ) -> float:
     """Wall seconds from the first host call until the copies drained (blocks in
     `cudaStreamSynchronize`)."""
-    from .._descriptors import TransferPlan
+    from .._program import TransferPlan
 
     rt = cupy().cuda.runtime
     t0 = time.perf_counter()

@@ -30,9 +30,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .._descriptors import TransferPlan
 from .._errors import TransferFailedError
-from .._staged import StagedProgram, prepare_staged, slab_descriptors, staging_table
+from .._program import StagedProgram, TransferPlan, prepare_staged, slab_descriptors, staging_table
 from . import _cudart
 from ._base import Direction
 from ._cuda_device import CudaEvent, CudaStream, create_event

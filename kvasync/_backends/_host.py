@@ -21,12 +21,12 @@ import numpy as np
 
 from .._errors import InvalidTransferError, TransferFailedError
 from .._hostmem import host_memory
-from .._staged import StagedProgram, kernel_plan, prepare_staged, slab_descriptors
+from .._program import StagedProgram, kernel_plan, prepare_staged, slab_descriptors
 from ._base import Backend, Direction, Event, HostMemory, Stream
 
 if TYPE_CHECKING:
     from .._arrays import ArrayInfo
-    from .._descriptors import TransferPlan
+    from .._program import TransferPlan
 
 __all__ = ["HostBackend", "HostEvent", "HostStream"]
 

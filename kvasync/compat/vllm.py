@@ -22,10 +22,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .._descriptors import _as_ids
 from .._errors import InvalidTransferError, TransferFailedError
 from .._layout import CopyRun, KVCacheLayout, KVRef, KVTensor, PageMapping
 from .._offloader import Offloader
+from .._program import as_ids
 from .._transfer import Transfer
 
 __all__ = [
@@ -54,7 +54,7 @@ def _int_list(values: Any, what: str) -> np.ndarray:
             raise InvalidTransferError(
                 f"{what}: expected a 1-D sequence of ints, got {type(values).__name__}"
             ) from None
-    return _as_ids(values, what)
+    return as_ids(values, what)
 
 
 class _BlockIDs:

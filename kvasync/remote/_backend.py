@@ -44,7 +44,7 @@ from ._nixl import new_agent, parse_address, recv_msg, send_msg
 
 if TYPE_CHECKING:
     from .._arrays import ArrayInfo
-    from .._descriptors import TransferPlan
+    from .._program import TransferPlan
 
 __all__ = ["NixlBackend"]
 

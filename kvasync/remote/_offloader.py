@@ -20,7 +20,6 @@ import numpy as np
 from .._arguments import ids_by_keyword
 from .._backends import Direction, Stream
 from .._completion import CompletionEngine
-from .._descriptors import RefTable, SideGeometry, TransferPlan, build_plan, build_ref_table
 from .._errors import (
     InvalidTransferError,
     OffloaderBrokenError,
@@ -29,6 +28,7 @@ from .._errors import (
 )
 from .._hostmem import row_offsets
 from .._layout import KVCacheLayout
+from .._program import RefTable, SideGeometry, TransferPlan, build_plan, build_ref_table
 from .._scheduler import DirectionQueue
 from .._transfer import Transfer
 from ._backend import NixlBackend

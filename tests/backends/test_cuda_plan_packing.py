@@ -19,7 +19,7 @@ from kvasync._backends._cuda_kernels import (
     pack_table,
     split_descriptors,
 )
-from kvasync._descriptors import build_plan
+from kvasync._program import build_plan
 
 
 def _bytes(descs: list[tuple[int, int, int]]) -> dict[int, int]:

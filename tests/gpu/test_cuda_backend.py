@@ -14,8 +14,8 @@ import pytest
 import kvasync as kv
 from kvasync._backends import _cudart
 from kvasync._backends._cuda import Calibration, CudaBackend, CudaEvent, CudaStream
-from kvasync._descriptors import TransferPlan
 from kvasync._hostmem import host_memory
+from kvasync._program import TransferPlan
 
 pytestmark = pytest.mark.gpu
 
@@ -243,7 +243,7 @@ def test_device_fault_surfaces_in_event_error() -> None:
     out = _run_script("""
         import numpy as np, cupy
         from kvasync._backends._cuda import CudaBackend
-        from kvasync._descriptors import TransferPlan
+        from kvasync._program import TransferPlan
         b = CudaBackend(0, "cupy")
         x = cupy.zeros(4096, cupy.uint8)
         s = b.new_stream(); end = b.new_event(); later = b.new_event()

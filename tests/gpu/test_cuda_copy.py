@@ -13,7 +13,7 @@ import pytest
 
 from kvasync._backends import _cudart
 from kvasync._backends._cuda import CudaBackend, CudaEvent, CudaStream
-from kvasync._descriptors import TransferPlan
+from kvasync._program import TransferPlan
 
 pytestmark = pytest.mark.gpu
 

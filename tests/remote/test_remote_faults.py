@@ -15,7 +15,7 @@ import pytest
 from remote_support import ROOT, PoolProcess, needs_nixl, pool_process
 
 import kvasync as kv
-from kvasync._descriptors import TransferPlan
+from kvasync._program import TransferPlan
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -21,99 +21,24 @@ enqueued, and consumed by a backend without calling back:
   only part of a row) writes nothing outside its covered sub-ranges.
 
 Host work is O(blocks + runs), not O(blocks x tensors): the per-chunk coverage pattern of
-each ref set is computed once per (refs, covered sub-blocks) and cached on the table.
+each ref set is computed once per (refs, covered sub-blocks) and cached on the table
+(`rows.py`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from ._descriptors import RefTable, Segment, SideGeometry, TransferPlan
-from ._errors import InvalidTransferError
+from .._errors import InvalidTransferError
+from .plan import Segment, TransferPlan
+from .rows import MAX_FACTOR, RowSide, coalesce_runs, coverage_pattern, row_side, staging_table
+from .table import U64, RefTable
 
-__all__ = ["RowSide", "Slab", "StagedProgram", "build_staged", "describe", "kernel_plan",
-           "prepare_staged", "row_side",
-           "slab_descriptors", "staging_table"]
-
-U64 = np.uint64
-
-#: sub-blocks per chunk the coverage masks can describe (one bit each)
-MAX_FACTOR = 64
-
-
-@dataclass(frozen=True)
-class RowSide:
-    """The host side of a table as rows: ref r's slot s lies at ``base + (s // factor) *
-    row_stride + offsets[r] + (s % factor) * sub[r]``; each row's used bytes fit in `span`."""
-
-    base: int
-    row_stride: int
-    span: int
-    offsets: np.ndarray  # uint64 [R]
-    sub: np.ndarray  # uint64 [R]
-    frag_off: np.ndarray  # uint64 [F]: fragment offsets on the host side
-    factor: int
-
-
-def row_side(table: RefTable, gpu_to_cpu: bool) -> RowSide | None:
-    """The row form of `table`'s host side, or None where the host memory is not rows
-    (refs with different row strides, or parts of a row overlapping the next row)."""
-    key = ("rows", gpu_to_cpu)
-    cache = table.cache
-    if key in cache:
-        found: RowSide | None = cache[key]
-        return found
-    if gpu_to_cpu:
-        base, stride, sub, frag, side = (table.dst_base, table.dst_row_stride,
-                                         table.dst_sub_stride, table.frag_dst, table.dst)
-    else:
-        base, stride, sub, frag, side = (table.src_base, table.src_row_stride,
-                                         table.src_sub_stride, table.frag_src, table.src)
-    out: RowSide | None = None
-    if len(base) and len(np.unique(stride)) == 1:
-        lo = int(base.min())
-        offsets = (base - U64(lo)).astype(U64)
-        ends = []
-        for r in range(len(base)):
-            a, k = int(table.frag_start[r]), int(table.frag_count[r])
-            last = max((int(frag[f]) + int(table.frag_size[f]) for f in range(a, a + k)),
-                       default=0)
-            ends.append(int(offsets[r]) + (side.factor - 1) * int(sub[r]) + last)
-        span = max(max(ends), 1)
-        row = int(stride[0])
-        if span <= row or (len(set(side.num_rows)) == 1 and side.num_rows[0] <= 1):
-            out = RowSide(lo, row, span, offsets, sub.astype(U64), frag.astype(U64),
-                          side.factor)
-    cache[key] = out
-    return out
-
-
-def staging_table(table: RefTable, rows: RowSide, gpu_to_cpu: bool, stage_ptr: int,
-                  rows_per_slab: int) -> RefTable:
-    """`table` with its host side moved onto a staging buffer at `stage_ptr` (rows of
-    `rows.span` bytes): what the pack/unpack kernel reads. Cached per buffer address."""
-    key = ("stage", gpu_to_cpu, stage_ptr, rows_per_slab)
-    hit: RefTable | None = table.cache.get(key)
-    if hit is not None:
-        return hit
-    n = len(table.tensor_idx)
-    bases = (rows.offsets + U64(stage_ptr)).astype(U64)
-    strides = np.full(n, rows.span, dtype=U64)
-    old = table.dst if gpu_to_cpu else table.src
-    geo = SideGeometry(base=list(old.base), row_stride=[rows.span] * len(old.base),
-                       sub_stride=list(old.sub_stride),
-                       num_rows=[rows_per_slab] * len(old.base), factor=old.factor)
-    if gpu_to_cpu:
-        out = replace(table, dst=geo, dst_base=bases, dst_row_stride=strides, owners=[],
-                      cache={})
-    else:
-        out = replace(table, src=geo, src_base=bases, src_row_stride=strides, owners=[],
-                      cache={})
-    table.cache[key] = out
-    return out
+__all__ = ["Slab", "StagedProgram", "build_staged", "describe", "kernel_plan",
+           "prepare_staged", "slab_descriptors"]
 
 
 @dataclass(frozen=True)
@@ -150,53 +75,6 @@ class StagedProgram:
         return sum(s.num_runs for s in self.slabs)
 
 
-def _pattern(table: RefTable, rows: RowSide, refs: np.ndarray, mask: int, gpu_to_cpu: bool
-             ) -> tuple[np.ndarray, np.ndarray]:
-    """(starts, sizes) in a row image of the bytes `refs` cover in the sub-blocks of
-    `mask`, merged where adjacent; cached per (refs, mask)."""
-    key = ("pat", gpu_to_cpu, refs.tobytes(), mask)
-    hit: tuple[np.ndarray, np.ndarray] | None = table.cache.get(key)
-    if hit is not None:
-        return hit
-    subs = [j for j in range(rows.factor) if mask >> j & 1]
-    spans: list[tuple[int, int]] = []
-    for r in refs.tolist():
-        a, k = int(table.frag_start[r]), int(table.frag_count[r])
-        off, sub = int(rows.offsets[r]), int(rows.sub[r])
-        for f in range(a, a + k):
-            size = int(table.frag_size[f])
-            if size == 0:
-                continue
-            start = off + int(rows.frag_off[f])
-            spans.extend((start + j * sub, size) for j in subs)
-    spans.sort()
-    merged: list[list[int]] = []
-    for start, size in spans:
-        if merged and start <= merged[-1][0] + merged[-1][1]:
-            end = max(merged[-1][0] + merged[-1][1], start + size)
-            merged[-1][1] = end - merged[-1][0]
-        else:
-            merged.append([start, size])
-    out = (np.asarray([m[0] for m in merged], dtype=U64),
-           np.asarray([m[1] for m in merged], dtype=U64))
-    if len(table.cache) < 4096:
-        table.cache[key] = out
-    return out
-
-
-def _coalesce_runs(so: np.ndarray, hp: np.ndarray, sz: np.ndarray
-                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Sort runs by host address and merge those contiguous on both sides."""
-    if len(sz) > 1:
-        order = np.argsort(hp, kind="stable")
-        so, hp, sz = so[order], hp[order], sz[order]
-        joins = (so[:-1] + sz[:-1] == so[1:]) & (hp[:-1] + sz[:-1] == hp[1:])
-        if joins.any():
-            starts = np.flatnonzero(np.concatenate(([True], ~joins)))
-            return so[starts], hp[starts], np.add.reduceat(sz, starts).astype(U64)
-    return so, hp, sz
-
-
 #: requests of at most this many slots are staged in plain Python: NumPy's per-call
 #: overhead was most of a small store()'s host cost (a 10-block, two-group request took
 #: ~0.5 ms through the NumPy path)
@@ -213,7 +91,7 @@ def _build_consecutive(plan: TransferPlan, seg: Segment, rows: RowSide, rps: int
     lo, hi = int(slots.min()), int(slots.max())
     if hi - lo != n - 1 or rows.span != rows.row_stride:
         return None
-    pst, psz = _pattern(table, rows, seg.refs, 1, gpu_to_cpu)
+    pst, psz = coverage_pattern(table, rows, seg.refs, 1, gpu_to_cpu)
     if len(pst) != 1 or int(psz[0]) != rows.span or (n > 1 and len(np.unique(slots)) != n):
         return None
     staged = (slots - U64(lo)).astype(U64)
@@ -264,7 +142,7 @@ def _build_python(plan: TransferPlan, segs: list[Segment], rows: RowSide, rps: i
             kcount[k] += len(ga) * per_frags
     runs: list[list[tuple[int, int, int]]] = [[] for _ in range(nslabs)]
     for (r, key), mask in masks.items():
-        pst, psz = _pattern(table, rows, refs_of[key], mask, gpu_to_cpu)
+        pst, psz = coverage_pattern(table, rows, refs_of[key], mask, gpu_to_cpu)
         srow = (r % rps) * rows.span
         hrow = rows.base + uniq[r] * rows.row_stride
         runs[r // rps].extend((hrow + a, srow + a, z) for a, z in zip(pst.tolist(), psz.tolist()))
@@ -367,7 +245,7 @@ def build_staged(plan: TransferPlan, gpu_to_cpu: bool, slab_bytes: int) -> Stage
         urank = np.arange(len(uniq), dtype=np.int64)
         row_base = uniq.astype(U64) * U64(rows.row_stride) + U64(rows.base)
         stage_row = ((urank % rps) * rows.span).astype(U64)
-        pst, psz = _pattern(table, rows, part_refs[0], 1, gpu_to_cpu)
+        pst, psz = coverage_pattern(table, rows, part_refs[0], 1, gpu_to_cpu)
         if len(pst) == 1:
             so_l.append(stage_row + pst[0])
             hp_l.append(row_base + pst[0])
@@ -399,7 +277,7 @@ def build_staged(plan: TransferPlan, gpu_to_cpu: bool, slab_bytes: int) -> Stage
         cinv = cinv.reshape(-1)
         for c in range(uc.shape[1]):
             sel = np.flatnonzero(cinv == c) if uc.shape[1] > 1 else np.arange(len(ukeys))
-            pst, psz = _pattern(table, rows, part_refs[int(uc[0, c])], int(uc[1, c]),
+            pst, psz = coverage_pattern(table, rows, part_refs[int(uc[0, c])], int(uc[1, c]),
                                 gpu_to_cpu)
             so_l.append((stage_row[sel][:, None] + pst[None, :]).ravel())
             hp_l.append((row_base[sel][:, None] + pst[None, :]).ravel())
@@ -419,7 +297,7 @@ def build_staged(plan: TransferPlan, gpu_to_cpu: bool, slab_bytes: int) -> Stage
         cuts = [0, len(sz)]
     for k in range(nslabs):
         lo, hi = cuts[k], cuts[k + 1]
-        r_so, r_hp, r_sz = _coalesce_runs(so[lo:hi], hp[lo:hi], sz[lo:hi])
+        r_so, r_hp, r_sz = coalesce_runs(so[lo:hi], hp[lo:hi], sz[lo:hi])
         # stores write each host byte once; a load may read one chunk into several blocks
         moved = int(r_sz.sum())
         assert moved == kbytes[k] if gpu_to_cpu else moved <= kbytes[k]
