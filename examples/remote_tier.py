@@ -13,30 +13,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import subprocess
-import sys
 import time
 
 import numpy as np
 
 import kvasync as kv
 from kvasync.remote import RemoteOffloader
+from kvasync.serve import spawn
 
 
 def start_pool(nbytes: int) -> tuple[subprocess.Popen[str], str]:
-    """The owner process; returns it and its control address."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.Popen([sys.executable, "-m", "kvasync.serve", "--pool-bytes", str(nbytes)],
-                            stdout=subprocess.PIPE, text=True, env=env)
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if "listening on" not in line:
-        proc.kill()
-        raise SystemExit(f"the pool did not start: {line!r}")
-    print(line.strip())
-    return proc, line.split(" on ")[1].split(" ")[0]
+    """The owner process (`python -m kvasync.serve`); returns it and its control address."""
+    proc, address = spawn(nbytes)
+    print(f"pool listening on {address}")
+    return proc, address
 
 
 async def main() -> None:

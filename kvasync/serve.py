@@ -9,12 +9,15 @@ default) or a trusted network only.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
+import subprocess
 import sys
 import threading
 from types import FrameType
+from typing import Any
 
-__all__ = ["main"]
+__all__ = ["main", "spawn"]
 
 
 def _size(text: str) -> int:
@@ -25,6 +28,27 @@ def _size(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"pool size must be >= 1 B, got {text!r}")
     return value
+
+
+def spawn(pool_bytes: int, listen: str = "127.0.0.1:0", **popen: Any
+          ) -> tuple[subprocess.Popen[str], str]:
+    """Start a pool owner in a child process; returns it and its control address once it
+    serves (RuntimeError, with its stderr where captured, if it exits first). `popen` goes
+    to `subprocess.Popen` (e.g. ``stderr=subprocess.PIPE``, ``start_new_session=True``)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvasync.serve", "--pool-bytes", str(pool_bytes),
+         "--listen", listen], stdout=subprocess.PIPE, text=True, env=env, **popen)
+    assert proc.stdout is not None
+    line = ""
+    while "listening on" not in line:
+        line = proc.stdout.readline()
+        if not line:
+            err = proc.stderr.read() if proc.stderr else ""
+            proc.wait()
+            raise RuntimeError(f"the pool did not start: {err}")
+    return proc, line.split(" on ")[1].split(" ")[0]
 
 
 def main(argv: list[str] | None = None) -> int:

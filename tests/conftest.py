@@ -6,7 +6,7 @@ import os
 from collections.abc import Callable, Iterator
 
 import pytest
-from support import Mem
+from support import Gate, Mem
 
 
 def gpu_available() -> bool:
@@ -68,3 +68,12 @@ def names() -> Iterator[Callable[[], str]]:
     yield lambda: SharedHostRegion.new_name(f"{tag}-{next(count)}")
     for f in procs.shm_leftovers(tag):
         os.unlink(os.path.join("/dev/shm", f))
+
+
+@pytest.fixture
+def gate() -> Iterator[Gate]:
+    """A held host compute stream (see support.Gate), opened and closed after the test."""
+    g = Gate()
+    yield g
+    g.open()
+    g.stream.close()

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
+
+from kvasync._backends._host import HostStream
 
 
 class Mem:
@@ -32,3 +35,15 @@ class Mem:
             torch.cuda.synchronize()
             t = t.cpu()
         return np.ascontiguousarray(t.numpy()).copy()
+
+
+class Gate:
+    """A host 'compute stream' held until `open()`: transfers given it queue up behind it."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.stream = HostStream(name="test-gate")
+        self.stream.enqueue(self.event.wait)
+
+    def open(self) -> None:
+        self.event.set()

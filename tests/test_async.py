@@ -6,33 +6,12 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
+from support import Gate
 
 import kvasync as kv
-from kvasync._backends._host import HostStream
-
-
-class Gate:
-    """A host 'compute stream' held until `open()`: transfers queue up behind it."""
-
-    def __init__(self) -> None:
-        self.event = threading.Event()
-        self.stream = HostStream(name="test-compute")
-        self.stream.enqueue(self.event.wait)
-
-    def open(self) -> None:
-        self.event.set()
-
-
-@pytest.fixture
-def gate() -> Iterator[Gate]:
-    g = Gate()
-    yield g
-    g.open()
-    g.stream.close()
 
 
 def make(blocks: int = 64, page: int = 1024, chunks: int = 64, **kw: object) -> tuple[

@@ -16,9 +16,9 @@ from typing import Any
 
 import numpy as np
 import pytest
+from support import Gate
 
 import kvasync as kv
-from kvasync._backends._host import HostStream
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -26,24 +26,6 @@ pytestmark = pytest.mark.timeout(60)
 PROMPT_S = 2.0
 
 
-class Gate:
-    """A host compute stream held until `open()`: transfers given it queue up behind it."""
-
-    def __init__(self) -> None:
-        self.event = threading.Event()
-        self.stream = HostStream(name="test-gate")
-        self.stream.enqueue(self.event.wait)
-
-    def open(self) -> None:
-        self.event.set()
-
-
-@pytest.fixture
-def gate() -> Iterator[Gate]:
-    g = Gate()
-    yield g
-    g.open()
-    g.stream.close()
 
 
 @pytest.fixture

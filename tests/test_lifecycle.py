@@ -19,36 +19,18 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pytest
+from support import Gate
 
 import kvasync as kv
-from kvasync._backends._host import HostStream
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-class Gate:
-    """A host 'compute stream' held until `open()`: transfers queue up behind it."""
-
-    def __init__(self) -> None:
-        self.event = threading.Event()
-        self.stream = HostStream(name="test-gate")
-        self.stream.enqueue(self.event.wait)
-
-    def open(self) -> None:
-        self.event.set()
-
-
-@pytest.fixture
-def gate() -> Iterator[Gate]:
-    g = Gate()
-    yield g
-    g.open()
-    g.stream.close()
 
 
 @pytest.fixture(params=["eager", "lazy"])

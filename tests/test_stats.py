@@ -11,9 +11,9 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+from support import Gate
 
 import kvasync as kv
-from kvasync._backends._host import HostStream
 from kvasync._stats import WINDOW
 
 pytestmark = pytest.mark.timeout(60)
@@ -22,24 +22,6 @@ PAGE = 1024
 TENSORS = 2
 
 
-class Gate:
-    """A host compute stream held until `open()`: transfers given it wait behind it."""
-
-    def __init__(self) -> None:
-        self.event = threading.Event()
-        self.stream = HostStream(name="test-gate")
-        self.stream.enqueue(self.event.wait)
-
-    def open(self) -> None:
-        self.event.set()
-
-
-@pytest.fixture
-def gate() -> Iterator[Gate]:
-    g = Gate()
-    yield g
-    g.open()
-    g.stream.close()
 
 
 @pytest.fixture

@@ -5,11 +5,12 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
+
+from kvasync.serve import spawn
 
 
 def nixl_available() -> bool:
@@ -32,21 +33,8 @@ class PoolProcess:
     """`python -m kvasync.serve` in a child process (its own process group)."""
 
     def __init__(self, pool_bytes: int = 256 << 20) -> None:
-        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvasync.serve", "--pool-bytes", str(pool_bytes),
-             "--listen", "127.0.0.1:0"],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-            start_new_session=True,
-        )
-        assert self.proc.stdout is not None
-        line = ""
-        while "listening on" not in line:
-            line = self.proc.stdout.readline()
-            if not line:
-                err = self.proc.stderr.read() if self.proc.stderr else ""
-                raise RuntimeError(f"the pool did not start: {err}")
-        self.address = line.split(" on ")[1].split(" ")[0]
+        self.proc, self.address = spawn(pool_bytes, stderr=subprocess.PIPE,
+                                        start_new_session=True)
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 20) -> tuple[int, str, str]:
         if self.proc.poll() is None:

@@ -10,7 +10,6 @@ NIXL is not installed (``pip install 'kvasync[nixl]'``).
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -33,20 +32,6 @@ def _nixl_missing() -> str | None:
     except Exception as exc:  # not installed, or not loadable here
         return f"NIXL is not available ({type(exc).__name__}: {exc})"
     return None
-
-
-def _start_pool(nbytes: int) -> tuple[subprocess.Popen[str], str]:
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
-        os.path.abspath(__file__)))))
-    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.Popen([sys.executable, "-m", "kvasync.serve", "--pool-bytes", str(nbytes)],
-                            stdout=subprocess.PIPE, text=True, env=env)
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if "listening on" not in line:
-        proc.kill()
-        raise RuntimeError(f"the pool did not start: {line!r}")
-    return proc, line.split(" on ")[1].split(" ")[0]
 
 
 def _time(off: Any, direction: str, gpu: Any, cpu: Any, reps: int) -> tuple[list[float], int]:
@@ -73,7 +58,9 @@ def run(ctx: Context) -> list[Row]:
 
     nbytes = min(ctx.total, REMOTE_BYTES)
     rows: list[Row] = []
-    proc, address = _start_pool(nbytes + 64 * MiB)
+    from kvasync.serve import spawn
+
+    proc, address = spawn(nbytes + 64 * MiB)
     try:
         for page in ctx.opts.pages:
             local = ctx.offloader(page)
