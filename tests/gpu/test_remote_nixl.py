@@ -36,8 +36,8 @@ async def test_vram_round_trip_matches(bpc: int) -> None:
     with pool_process(1 << 30) as pool:
         async with RemoteOffloader(kv.KVCacheLayout.from_tensors(kvs), 64, bpc,
                                    peer=pool.address) as off:
-            blocks = list(range(3, 3 + 64 * bpc - 1))  # the last chunk partial
-            chunks = list(range(64))
+            blocks = list(range(3, 3 + 64 * bpc - 1))  # the last chunk partial (bpc > 1)
+            chunks = list(range(-(-len(blocks) // bpc)))
             r = await off.store(gpu_blocks=blocks, cpu_chunks=chunks)
             assert r.success and r.bytes == len(blocks) * 4 * 16384
             for t in kvs:
