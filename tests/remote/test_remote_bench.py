@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.timeout(300)
 def test_remote_section_writes_nixl_and_staged_rows(tmp_path: Path) -> None:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
     proc = subprocess.run(
         [sys.executable, "-m", "kvasync.bench", "--backend", "host", "--quick",
          "--sections", "remote", "--out", str(tmp_path)],
