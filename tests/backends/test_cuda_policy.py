@@ -1,0 +1,51 @@
+"""The CUDA backend's "auto" rules as a plain function (no GPU): which path a plan gets."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from kvasync._backends._cuda_policy import (
+    CONTENDED_DMA_BYTES,
+    STAGED_MIN_BYTES,
+    Calibration,
+    choose_auto,
+)
+
+KiB, MiB = 1 << 10, 1 << 20
+
+
+@dataclass
+class Plan:
+    nbytes: int
+    num_descriptors: int
+
+
+def choose(plan: Plan, *, urgent: bool = False, busy: bool = False, layered: bool = False,
+           stageable: bool = True) -> str:
+    def stage(p: Any, d: Any) -> bool:
+        return stageable
+
+    return choose_auto("h2d", plan, urgent, busy, layered, True,  # type: ignore[arg-type]
+                       CONTENDED_DMA_BYTES, STAGED_MIN_BYTES, stage, Calibration.static_default)
+
+
+@pytest.mark.parametrize("page", [4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB])
+def test_big_stageable_transfers_are_staged(page: int) -> None:
+    assert choose(Plan(64 * MiB, 64 * MiB // page)) == "staged"
+
+
+def test_the_exceptions_to_staging() -> None:
+    big = Plan(64 * MiB, 64 * MiB // (4 * KiB))
+    assert choose(big, urgent=True) == "kernel"  # passes queued DMA
+    assert choose(big, layered=True) != "staged"  # one layer of a layer-wise load
+    assert choose(big, stageable=False) != "staged"  # e.g. a row beyond a staging buffer
+    assert choose(Plan(STAGED_MIN_BYTES - 4 * KiB, 511)) != "staged"  # too small to pay off
+    assert choose(Plan(0, 0)) == "dma"
+
+
+def test_contended_big_descriptors_go_to_dma_when_not_staged() -> None:
+    plan = Plan(64 * MiB, 32)  # 2 MiB descriptors
+    assert choose(plan, busy=True, stageable=False) == "dma"
