@@ -10,7 +10,8 @@ Differences from vLLM, on purpose (docs/vllm.md lists them): a bad request raise
 `InvalidTransferError` instead of failing an assert; a transfer that fails on the device is
 reported with ``success=False`` instead of never being reported; every job is reported
 exactly once, also those `shutdown()` drained; job ids must be ints, and an id still in
-flight cannot be reused; block ids stay 64-bit.
+flight cannot be reused; block ids stay 64-bit; refs of one group on one tensor are copied
+once, not once per ref.
 """
 
 from __future__ import annotations
@@ -119,7 +120,30 @@ def _mapping(m: Any) -> PageMapping | None:
     )
 
 
-def _to_layout(kv_caches: Any) -> KVCacheLayout:
+def _merge_refs(g: int, refs: list[KVRef], canonical: bool) -> list[KVRef]:
+    """One ref per tensor: vLLM's refs carry no offset, so every ref of a tensor copies the
+    first `page_size_bytes` of each block and two refs on one tensor (layers sharing a
+    cache) copy the same bytes twice. Those bytes are copied once here: the widest ref,
+    where the narrower ones are its prefixes. In the canonical layout two refs whose
+    mappings differ would put one local byte in two canonical places; that is refused."""
+    out: dict[int, KVRef] = {}
+    for ref in refs:
+        seen = out.get(ref.tensor_idx)
+        if seen is None or seen == ref:
+            out.setdefault(ref.tensor_idx, ref)
+            continue
+        if canonical:
+            raise InvalidTransferError(
+                f"group {g}: two refs on tensor {ref.tensor_idx} with different page sizes "
+                "or mappings; under the canonical layout one local byte would map to two "
+                "canonical places (refs of one tensor must be identical)"
+            )
+        if (ref.page_size_bytes or 0) > (seen.page_size_bytes or 0):
+            out[ref.tensor_idx] = ref
+    return list(out.values())
+
+
+def _to_layout(kv_caches: Any, canonical: bool = False) -> KVCacheLayout:
     if isinstance(kv_caches, KVCacheLayout):
         return kv_caches
     if hasattr(kv_caches, "tensors") and hasattr(kv_caches, "group_data_refs"):
@@ -128,9 +152,11 @@ def _to_layout(kv_caches: Any) -> KVCacheLayout:
             for t in kv_caches.tensors
         ]
         groups = [
-            [KVRef(r.tensor_idx, r.page_size_bytes, _mapping(getattr(r, "mapping", None)))
-             for r in refs]
-            for refs in kv_caches.group_data_refs
+            _merge_refs(g, [
+                KVRef(r.tensor_idx, r.page_size_bytes, _mapping(getattr(r, "mapping", None)))
+                for r in refs
+            ], canonical)
+            for g, refs in enumerate(kv_caches.group_data_refs)
         ]
         return KVCacheLayout(tensors, groups)
     return KVCacheLayout.from_tensors(list(kv_caches))
@@ -195,7 +221,7 @@ class CPUOffloadingWorker:
             )
         chunks = num_cpu_chunks if num_cpu_chunks is not None else num_cpu_blocks
         self.offloader = Offloader(
-            _to_layout(kv_caches),
+            _to_layout(kv_caches, bool(canonical_layout)),
             num_cpu_chunks=chunks,  # type: ignore[arg-type]  # checked by Offloader
             blocks_per_chunk=blocks_per_chunk,
             backend=backend,
