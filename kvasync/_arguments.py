@@ -20,6 +20,7 @@ __all__ = [
     "check_sizes",
     "check_staging_bytes",
     "chunks_for",
+    "host_chunks",
     "ids_by_keyword",
     "layer_spec",
     "pick_backend",
@@ -65,6 +66,34 @@ def chunks_for(
             f"tensors ({blocks_per_chunk} block(s) each) takes {per_chunk} B"
         )
     return chunks
+
+
+def host_chunks(
+    host_tensors: Any, host_region: Any, num_cpu_chunks: Any, cpu_bytes: Any
+) -> Any:
+    """`num_cpu_chunks` as given; with `host_tensors` (which are the host copy, so neither
+    `host_region` nor `cpu_bytes` may come too) by default the rows they all have."""
+    if host_tensors is None:
+        return num_cpu_chunks
+    if host_region is not None or cpu_bytes is not None:
+        raise InvalidTransferError(
+            "host_tensors are the host copy: give neither host_region nor cpu_bytes with them"
+        )
+    if num_cpu_chunks is not None:
+        return num_cpu_chunks
+    if not isinstance(host_tensors, (list, tuple)) or not host_tensors:
+        raise InvalidTransferError("host_tensors must be a non-empty list, one per KV tensor")
+    shapes: list[tuple[int, ...]] = [tuple(getattr(x, "shape", ())) for x in host_tensors]
+    if not all(shapes):
+        raise InvalidTransferError(
+            "host_tensors must each be a NumPy array or a CPU torch tensor with rows"
+        )
+    rows = {int(s[0]) for s in shapes}
+    if len(rows) != 1:
+        raise InvalidTransferError(
+            f"host_tensors have different row counts {sorted(rows)}: pass num_cpu_chunks"
+        )
+    return rows.pop()
 
 
 def check_sizes(

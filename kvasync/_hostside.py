@@ -1,16 +1,19 @@
-"""The offloader's host side, built once: host memory or region views, pinning, ref tables.
+"""The offloader's host side, built once: host memory, region or caller views, pinning, tables.
 
 `build_host_side` allocates the host copy (or carves it out of a shared region), pins it
 where the backend can, describes both sides' geometry and unrolls the two directions' ref
 tables. It returns one frozen `HostSide`; the `Offloader` only wires it in. The host copy is
 row-contiguous: one row per CPU chunk holding every KV tensor's `blocks_per_chunk`
 sub-blocks side by side (see `_hostmem.row_offsets`), so the staged path moves whole rows.
+Caller-owned `host_tensors` are one array per KV tensor instead, not row-contiguous: the
+staged path is not offered for them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -18,8 +21,9 @@ import numpy as np
 from ._arrays import array_info
 from ._backends import Backend, Direction, HostMemory
 from ._errors import InvalidTransferError
-from ._hostmem import row_offsets
+from ._hostmem import pin_chunks, row_offsets, unpin_chunks
 from ._layout import KVCacheLayout
+from ._memory import overlapping_pair
 from ._program import RefTable, SideGeometry, build_ref_table
 
 __all__ = ["HostSide", "build_host_side"]
@@ -50,6 +54,7 @@ def build_host_side(
     blocks_per_chunk: int,
     canonical: bool,
     host_region: Any | None,
+    host_tensors: Sequence[Any] | None = None,
 ) -> HostSide:
     """Allocate (or carve from `host_region`) and pin the host copy, then build both
     directions' ref tables. `sub_bytes` is each tensor's host sub-block (its page, or its
@@ -57,7 +62,10 @@ def build_host_side(
     pages = [s * blocks_per_chunk for s in sub_bytes]
     memory: list[HostMemory] = []
     views: list[np.ndarray] = []
-    if host_region is not None:
+    if host_tensors is not None:
+        views = caller_views(layout, host_tensors, pages, num_cpu_chunks)
+        pinned, memory = pin_caller_views(backend, host_tensors, views)
+    elif host_region is not None:
         for page in pages:
             if canonical:
                 view = host_region.create_next_canonical_view(page)
@@ -113,5 +121,76 @@ def build_host_side(
     for table in tables.values():
         # every plan holds its table, and the table what its addresses point into: the
         # layout's tensors (and their torch storages) too
-        table.owners += [*memory, *([host_region] if host_region is not None else []), layout]
+        table.owners += [*memory, *([host_region] if host_region is not None else []), layout,
+                         *(host_tensors or [])]
     return HostSide(views, memory, pinned, sum(pages), tables)
+
+
+def caller_views(
+    layout: KVCacheLayout, host_tensors: Sequence[Any], pages: Sequence[int], num_cpu_chunks: int
+) -> list[np.ndarray]:
+    """A (num_cpu_chunks, page) uint8 view of each caller-owned host array, after checking
+    them all: NumPy arrays or CPU torch tensors, writable, rows of exactly `page` contiguous
+    bytes, enough rows, sharing no byte with each other or with a KV tensor."""
+    if not isinstance(host_tensors, (list, tuple)) or len(host_tensors) != len(pages):
+        raise InvalidTransferError(
+            f"host_tensors must be a list of {len(pages)} arrays, one per KV tensor"
+        )
+    views: list[np.ndarray] = []
+    for i, (x, page) in enumerate(zip(host_tensors, pages)):
+        what = f"host_tensors[{i}]"
+        info = array_info(x, what)
+        if info.device != "cpu" or not (isinstance(x, np.ndarray) or info.kind == "torch"):
+            raise InvalidTransferError(
+                f"{what}: must be a NumPy array or a CPU torch tensor, got {info.device} "
+                f"memory ({type(x).__name__})"
+            )
+        arr = x if isinstance(x, np.ndarray) else x.detach().numpy()
+        if not info.writeable or not arr.flags.writeable:
+            raise InvalidTransferError(f"{what}: read-only memory cannot take stores")
+        if arr.ndim < 1 or arr.shape[0] < num_cpu_chunks:
+            raise InvalidTransferError(
+                f"{what}: has {arr.shape[0] if arr.ndim else 0} rows, need num_cpu_chunks="
+                f"{num_cpu_chunks}"
+            )
+        inner = arr[0] if arr.ndim > 1 else arr[:1]
+        if not inner.flags.c_contiguous or inner.nbytes != page:
+            raise InvalidTransferError(
+                f"{what}: each row must be {page} contiguous bytes (blocks_per_chunk x the "
+                f"tensor's page), got rows of {inner.nbytes} B"
+                + ("" if inner.flags.c_contiguous else ", not contiguous")
+            )
+        rows = arr[:num_cpu_chunks].reshape(num_cpu_chunks, -1)
+        if not np.shares_memory(rows, arr):
+            raise InvalidTransferError(f"{what}: its rows cannot be viewed without a copy")
+        views.append(rows.view(np.uint8))
+    infos = [t.info for t in layout.tensors] + [array_info(v) for v in views]
+    pair = overlapping_pair(infos)
+    if pair is not None:
+        n = len(layout.tensors)
+        a, b = (f"KV tensor {k}" if k < n else f"host_tensors[{k - n}]" for k in pair)
+        raise InvalidTransferError(f"{a} and {b} share memory: a copy would overwrite itself")
+    return views
+
+
+def pin_caller_views(
+    backend: Backend, host_tensors: Sequence[Any], views: Sequence[np.ndarray]
+) -> tuple[bool, list[HostMemory]]:
+    """Register the caller's arrays with the backend and, where it pins, pin those not pinned
+    yet (a pinned torch tensor is left as it is). The memory stays the caller's: the returned
+    `HostMemory` entries only unpin what was pinned here, at close."""
+    pin = backend.pin_functions()
+    memory: list[HostMemory] = []
+    pinned = True
+    for x, v in zip(host_tensors, views):
+        backend.register_array(array_info(v))
+        if pin is None or (hasattr(x, "is_pinned") and x.is_pinned()):
+            continue
+        ptr, stride = int(v.ctypes.data), int(v.strides[0])
+        span = (v.shape[0] - 1) * stride + v.shape[1]
+        addrs = pin_chunks(ptr, span, stride, *pin)
+        if addrs is None:
+            pinned = False
+            continue
+        memory.append(HostMemory(ptr, span, v, True, partial(unpin_chunks, addrs, pin[1])))
+    return pinned, memory

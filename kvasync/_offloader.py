@@ -25,27 +25,18 @@ from ._arguments import (
     check_sizes,
     check_staging_bytes,
     chunks_for,
+    host_chunks,
     ids_by_keyword,
     layer_spec,
     pick_backend,
 )
 from ._backends import Backend, Direction, HostMemory, Stream, load_backend
 from ._completion import CompletionEngine
-from ._errors import (
-    InvalidTransferError,
-    OffloaderClosedError,
-    TransferFailedError,
-)
+from ._errors import InvalidTransferError, OffloaderClosedError, TransferFailedError
 from ._hostside import build_host_side
 from ._layout import KVCacheLayout
 from ._lifecycle import Lifecycle
-from ._program import (
-    Ids,
-    RefTable,
-    TransferPlan,
-    build_plan,
-    split_plan,
-)
+from ._program import Ids, RefTable, TransferPlan, build_plan, split_plan
 from ._scheduler import DirectionQueue
 from ._stats import OffloaderStats, collect
 from ._threadstate import completing_here, refuse_blocking_wait
@@ -69,7 +60,10 @@ class Offloader:
     The host copy is row-contiguous: one row per CPU chunk holding every KV tensor's
     `blocks_per_chunk` sub-blocks side by side (tensors ordered by KV-cache group), so the
     "staged" copy path moves whole rows; `cpu_tensors` are per-tensor (strided) views.
-    `staging_bytes` sets the staged path's staging memory per direction.
+    `staging_bytes` sets the staged path's staging memory per direction. `host_tensors`
+    (one caller-owned CPU array per KV tensor, rows of `blocks_per_chunk` pages; rows give
+    `num_cpu_chunks` by default) replace the host copy: they stay the caller's, pinned by
+    kvasync if need be and unpinned at close; the staged path needs rows and is not offered.
 
     `completion` picks how awaits learn of completions: "hybrid" (default) polls from the
     event loop near a transfer's predicted end, "thread" only wakes the loop from the
@@ -93,9 +87,11 @@ class Offloader:
         max_streams: int = 4,
         completion: str = "hybrid",
         staging_bytes: int | None = None,
+        host_tensors: Sequence[Any] | None = None,
     ) -> None:
         if not isinstance(layout, KVCacheLayout):
             raise InvalidTransferError(f"layout must be a KVCacheLayout, got {type(layout)}")
+        num_cpu_chunks = host_chunks(host_tensors, host_region, num_cpu_chunks, cpu_bytes)
         check_sizes(num_cpu_chunks, cpu_bytes, blocks_per_chunk, max_streams,
                     layout._guard.check)  # its tensors still own the memory the layout read
         self.layout = layout
@@ -131,7 +127,7 @@ class Offloader:
         sub = canon_sizes if canon_sizes is not None else [t.page for t in layout.tensors]
         self._region = host_region
         host = build_host_side(layout, self.backend, sub, self.num_cpu_chunks,
-                               self.blocks_per_chunk, self.canonical, host_region)
+                               self.blocks_per_chunk, self.canonical, host_region, host_tensors)
         self._host_mem: list[HostMemory] = host.memory
         self._cpu_views = host.views
         self._chunk_bytes = host.chunk_bytes
