@@ -2,7 +2,7 @@
 
 Checks what a server author cares about: every byte of an offloaded conversation comes back
 after a restore into other GPU blocks, many conversations move at once, and the event loop
-keeps answering ``/health`` within 5 ms while a GiB of KV moves.
+keeps answering ``/health`` (p99 within 40 ms) while a GiB of KV moves.
 
 Needs the examples extra (``pip install -e ".[examples]"``); skipped without it.
 """
@@ -97,7 +97,7 @@ class Sample:
 class HealthProbe:
     """Sequential /health requests, PROBE_INTERVAL_S apart, until stopped.
 
-    Two latencies per request: how long the answer took (the 5 ms budget), and how late it
+    Two latencies per request: how long the answer took (`HEALTH_BUDGET_S`), and how late it
     came from when it was *due*. The second catches a loop that stalls while the probe
     sleeps, which the first cannot see (coordinated omission). Only requests due inside a
     window (`open()` .. `close()`) and answered before it closed count.

@@ -17,6 +17,7 @@ import numpy as np
 from ._errors import BackendUnavailableError, InvalidTransferError
 
 __all__ = [
+    "check_job_id",
     "check_sizes",
     "check_staging_bytes",
     "chunks_for",
@@ -51,14 +52,23 @@ def ids_by_keyword(example: str) -> Callable[[_Method], _Method]:
     return decorate
 
 
+def check_job_id(job_id: Any) -> None:
+    """A job id is an int (or None: the offloader's counter draws one)."""
+    if job_id is not None and (isinstance(job_id, bool) or not isinstance(job_id, int)):
+        raise InvalidTransferError(f"job_id must be an int, got {job_id!r}")
+
+
 def chunks_for(
-    num_cpu_chunks: int | None, cpu_bytes: int | None, pages: list[int], blocks_per_chunk: int
+    num_cpu_chunks: int | None, cpu_bytes: int | None, pages: list[int], blocks_per_chunk: int,
+    row_bytes: int | None = None,
 ) -> int:
-    """Chunks per tensor: `num_cpu_chunks`, or as many whole chunks as `cpu_bytes` holds."""
+    """Chunks per tensor: `num_cpu_chunks`, or as many whole chunks as `cpu_bytes` holds
+    (`row_bytes`: one chunk of every tensor as the host rows lay it out, alignment
+    included; default: the pages' sum)."""
     if num_cpu_chunks is not None:
         return int(num_cpu_chunks)
     assert cpu_bytes is not None
-    per_chunk = sum(pages) * blocks_per_chunk  # one chunk of every tensor
+    per_chunk = row_bytes or sum(pages) * blocks_per_chunk  # one chunk of every tensor
     chunks = int(cpu_bytes) // per_chunk
     if chunks < 1:
         raise InvalidTransferError(
@@ -69,15 +79,22 @@ def chunks_for(
 
 
 def host_chunks(
-    host_tensors: Any, host_region: Any, num_cpu_chunks: Any, cpu_bytes: Any
+    host_tensors: Any, host_region: Any, num_cpu_chunks: Any, cpu_bytes: Any,
+    copy_path: str = "auto",
 ) -> Any:
     """`num_cpu_chunks` as given; with `host_tensors` (which are the host copy, so neither
-    `host_region` nor `cpu_bytes` may come too) by default the rows they all have."""
+    `host_region` nor `cpu_bytes` may come too) by default the rows they all have. They are
+    one array per tensor, not chunk rows, so `copy_path="staged"` is refused with them."""
     if host_tensors is None:
         return num_cpu_chunks
     if host_region is not None or cpu_bytes is not None:
         raise InvalidTransferError(
             "host_tensors are the host copy: give neither host_region nor cpu_bytes with them"
+        )
+    if copy_path == "staged":
+        raise InvalidTransferError(
+            "copy_path 'staged' needs host memory in chunk rows; host_tensors are one array "
+            "per KV tensor: use copy_path='auto' (or 'kernel'/'dma' on CUDA)"
         )
     if num_cpu_chunks is not None:
         return num_cpu_chunks

@@ -60,6 +60,7 @@ def build_host_side(
     directions' ref tables. `sub_bytes` is each tensor's host sub-block (its page, or its
     canonical page); InvalidTransferError where the memory does not fit or cannot be had."""
     pages = [s * blocks_per_chunk for s in sub_bytes]
+    chunk_bytes = sum(pages)  # the caller's or a region's memory: what this rank uses of it
     memory: list[HostMemory] = []
     views: list[np.ndarray] = []
     if host_tensors is not None:
@@ -86,6 +87,7 @@ def build_host_side(
     else:
         # one row per chunk, every tensor's sub-blocks side by side (see row_offsets)
         offsets, row_bytes = row_offsets(layout, pages)
+        chunk_bytes = row_bytes  # one row: every tensor's part, alignment included
         try:
             mem = backend.alloc_host(num_cpu_chunks * row_bytes, row_bytes)
         except OSError as exc:
@@ -123,7 +125,7 @@ def build_host_side(
         # layout's tensors (and their torch storages) too
         table.owners += [*memory, *([host_region] if host_region is not None else []), layout,
                          *(host_tensors or [])]
-    return HostSide(views, memory, pinned, sum(pages), tables)
+    return HostSide(views, memory, pinned, chunk_bytes, tables)
 
 
 def caller_views(

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from ._arguments import (
+    check_job_id,
     check_sizes,
     check_staging_bytes,
     chunks_for,
@@ -33,6 +34,7 @@ from ._arguments import (
 from ._backends import Backend, Direction, HostMemory, Stream, load_backend
 from ._completion import CompletionEngine
 from ._errors import InvalidTransferError, OffloaderClosedError, TransferFailedError
+from ._hostmem import row_offsets
 from ._hostside import build_host_side
 from ._layout import KVCacheLayout
 from ._lifecycle import Lifecycle
@@ -91,17 +93,18 @@ class Offloader:
     ) -> None:
         if not isinstance(layout, KVCacheLayout):
             raise InvalidTransferError(f"layout must be a KVCacheLayout, got {type(layout)}")
-        num_cpu_chunks = host_chunks(host_tensors, host_region, num_cpu_chunks, cpu_bytes)
+        num_cpu_chunks = host_chunks(host_tensors, host_region, num_cpu_chunks, cpu_bytes,
+                                     copy_path)
         check_sizes(num_cpu_chunks, cpu_bytes, blocks_per_chunk, max_streams,
                     layout._guard.check)  # its tensors still own the memory the layout read
         self.layout = layout
         self.blocks_per_chunk = int(blocks_per_chunk)
         self.canonical = bool(canonical)
         canon_sizes = layout.canonical_bytes_per_block() if self.canonical else None
+        sizes = canon_sizes if canon_sizes is not None else [t.page for t in layout.tensors]
         self.num_cpu_chunks = chunks_for(
-            num_cpu_chunks, cpu_bytes,
-            canon_sizes if canon_sizes is not None else [t.page for t in layout.tensors],
-            self.blocks_per_chunk,
+            num_cpu_chunks, cpu_bytes, sizes, self.blocks_per_chunk,
+            row_offsets(layout, [s * self.blocks_per_chunk for s in sizes])[1],
         )
         first = layout.tensors[0].info
         if isinstance(backend, Backend):
@@ -264,6 +267,8 @@ class Offloader:
                           block_indices, False, self.num_cpu_chunks,
                           self.backend.reads_plan_later)
         parts = split_plan(plan, spec)
+        check_job_id(job_id)  # both before an id is drawn: a refused call uses none
+        self.backend.compute_stream(stream if stream is not None else self._compute_override)
         jid = job_id if job_id is not None else next(self._job_ids)
         signals = [self.backend.new_event(timing=False) for _ in parts]
         transfers = [
@@ -319,8 +324,7 @@ class Offloader:
         signal: Any | None = None,
     ) -> Transfer:
         chosen = self._path(path)
-        if job_id is not None and (isinstance(job_id, bool) or not isinstance(job_id, int)):
-            raise InvalidTransferError(f"job_id must be an int, got {job_id!r}")
+        check_job_id(job_id)
         compute: Stream | None = self.backend.compute_stream(
             stream if stream is not None else self._compute_override
         )

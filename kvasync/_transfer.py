@@ -164,7 +164,7 @@ class Transfer(FutureMethods):
     def wait(self, timeout: float | None = None) -> TransferResult:
         """Block this thread until done (no event loop needed); TimeoutError after `timeout`.
 
-        With the lazy completion thread (`DirectionQueue.LAZY_THREAD`, CUDA, the default): it
+        With the lazy completion thread (`LaneCompletion.LAZY_THREAD`, CUDA, the default): it
         sleeps until `SPIN_WINDOW` before the predicted end, then polls the direction itself
         until the end plus `SPIN_GRACE`, then sleeps again (the completion thread's wake-up
         took 0.3-0.4 ms after a 1 GiB copy on the H200 host).

@@ -69,7 +69,11 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    pool = RemotePool(args.pool_bytes, args.listen, name=args.name)
+    try:
+        pool = RemotePool(args.pool_bytes, args.listen, name=args.name)
+    except Exception as exc:  # a pool that cannot start: one line, not a traceback
+        print(f"kvasync.serve: {exc}", file=sys.stderr)
+        return 1
     try:
         host, port = pool.address
         print(f"kvasync pool {pool.name} listening on {host}:{port} ({pool.pool_bytes} B)",

@@ -112,3 +112,10 @@ def test_wrong_device() -> None:
     torch = pytest.importorskip("torch")
     meta = [torch.zeros((4, PAGE), dtype=torch.uint8, device="meta")] * 2
     refused("torch device meta", host_tensors=meta)
+
+
+def test_staged_is_refused_with_host_tensors_at_construction() -> None:
+    gpu = [np.zeros((8, 64), np.uint8) for _ in range(2)]
+    host = [np.zeros((4, 64), np.uint8) for _ in range(2)]
+    with pytest.raises(kv.InvalidTransferError, match="staged"):
+        kv.Offloader(kv.KVCacheLayout.from_tensors(gpu), host_tensors=host, copy_path="staged")

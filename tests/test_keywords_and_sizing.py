@@ -131,3 +131,16 @@ def test_a_host_copy_too_large_to_map_raises_invalid_transfer_error_not_os_error
         _offloader(num_cpu_chunks=2**50 // (2 * PAGE))
     assert not isinstance(info.value, OSError)
     assert isinstance(info.value.__cause__, OSError)
+
+
+@pytest.mark.parametrize(("tensors", "page", "budget"), [(3, 40, 1200), (8, 4, 1024)])
+def test_cpu_bytes_counts_the_rows_alignment(tensors: int, page: int, budget: int) -> None:
+    """Each tensor's part of a host row starts on a 16-byte boundary: pages that are not
+    multiples of 16 still fit the budget, and `cpu_bytes` reports what the rows take."""
+    layout = kv.KVCacheLayout.from_tensors([np.zeros((4, page), np.uint8)
+                                            for _ in range(tensors)])
+    off = kv.Offloader(layout, cpu_bytes=budget)
+    row = off.cpu_tensors[0].strides[0]
+    assert off.cpu_bytes == off.num_cpu_chunks * row <= budget
+    assert (off.num_cpu_chunks + 1) * row > budget
+    off.close()

@@ -227,3 +227,13 @@ def test_both_ways_is_remembered_for_a_while(monkeypatch: pytest.MonkeyPatch) ->
         monkeypatch.setattr(off, "BOTH_WAYS_MEMORY", 0.0)
         assert not off._both_ways("d2h")
         compute.close()
+
+
+def test_a_refused_layerwise_load_uses_no_job_id() -> None:
+    gpu = [np.zeros((8, 64), np.uint8) for _ in range(2)]
+    with kv.Offloader(kv.KVCacheLayout.from_tensors(gpu), 8) as off:
+        assert off.store(gpu_blocks=[0], cpu_chunks=[0]).wait(10).job_id == 0
+        for bad in ({"stream": object()}, {"job_id": "7"}):
+            with pytest.raises(kv.InvalidTransferError):
+                off.load_layerwise(cpu_chunks=[0], gpu_blocks=[1], **bad)  # type: ignore[arg-type]
+        assert off.store(gpu_blocks=[0], cpu_chunks=[0]).wait(10).job_id == 1

@@ -167,6 +167,7 @@ class RemoteOffloader:
                 job_id: int | None, stream: Any | None, urgent: bool) -> Transfer:
         if self._closed:
             raise OffloaderClosedError("the remote offloader is closed")
+        self.layout._guard.check()  # its tensors still own the memory the layout read
         plan = build_plan(self._tables[direction], gpu_blocks, cpu_chunks, group_sizes,
                           block_indices, direction == "d2h", self.num_cpu_chunks, True)
         return self._enqueue(direction, plan, job_id, stream, urgent)

@@ -79,7 +79,11 @@ class RemotePool:
             raise InvalidTransferError(f"pool_bytes must be an int >= 1, got {pool_bytes!r}")
         host, port = parse_address(listen)
         self.name = name or f"kvasync-pool-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self._mem = host_memory(pool_bytes, PAGE)
+        try:
+            self._mem = host_memory(pool_bytes, PAGE)
+        except OSError as exc:
+            raise InvalidTransferError(
+                f"cannot allocate a pool of {pool_bytes} B of host memory: {exc}") from exc
         self.pool_bytes = self._mem.nbytes
         self._agent: Any = None
         self._reg: Any = None

@@ -224,3 +224,27 @@ def test_missing_nixl_names_the_extra() -> None:
     out = subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=60,
                          capture_output=True, text=True).stdout
     assert out.strip() == "ok"
+
+
+@pytest.mark.timeout(60)
+def test_serve_says_so_in_one_line_when_the_pool_cannot_be_allocated() -> None:
+    """No traceback: a pool too big for this host's memory is one line and exit status 1."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [root, *filter(None, [os.environ.get("PYTHONPATH")])]))
+    proc = subprocess.Popen([sys.executable, "-m", "kvasync.serve", "--pool-bytes", "64TiB"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        out, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:  # the kernel overcommits: the pool started
+        proc.kill()
+        proc.communicate()
+        pytest.skip("this host's kernel let a 64 TiB mapping through (overcommit)")
+    if proc.returncode == 0 or "listening on" in out:
+        pytest.skip("this host's kernel let a 64 TiB mapping through (overcommit)")
+    assert proc.returncode == 1, (out, err)
+    assert "cannot allocate" in err and "Traceback" not in err, err
