@@ -26,7 +26,7 @@ Host work does not grow with the number of KV tensors.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -42,7 +42,7 @@ from ._cudart import cupy
 if TYPE_CHECKING:
     from ._cuda_device import CudaDevice
 
-__all__ = ["StagedPath", "StagingRing", "staged_info"]
+__all__ = ["StagedPath", "StagingRing"]
 
 _H2D = 1  # cudaMemcpyHostToDevice
 
@@ -199,10 +199,3 @@ class StagedPath:
                 batch(src, dst, sizes, helper.ptr, order, src_dev, dst_dev)
         except _cudart.CudaCallError as exc:
             raise TransferFailedError(f"staged row copy failed: {exc}") from exc
-
-
-def staged_info(ring: StagingRing | None) -> dict[str, Any]:
-    """What a ring holds (for stats and the bench)."""
-    if ring is None:
-        return {"buffers": 0, "slab_bytes": 0}
-    return {"buffers": len(ring.ptrs), "slab_bytes": ring.slab_bytes}

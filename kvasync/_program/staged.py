@@ -28,7 +28,6 @@ each ref set is computed once per (refs, covered sub-blocks) and cached on the t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -37,7 +36,7 @@ from .plan import Segment, TransferPlan
 from .rows import MAX_FACTOR, RowSide, coalesce_runs, coverage_pattern, row_side, staging_table
 from .table import U64, RefTable
 
-__all__ = ["Slab", "StagedProgram", "build_staged", "describe", "kernel_plan",
+__all__ = ["Slab", "StagedProgram", "build_staged", "kernel_plan",
            "prepare_staged", "slab_descriptors"]
 
 
@@ -52,10 +51,6 @@ class Slab:
     nbytes: int  # bytes the kernel copies
     num_descriptors: int  # (slot, fragment) copies of the kernel
 
-    @property
-    def num_runs(self) -> int:
-        return len(self.sizes)
-
 
 @dataclass(frozen=True)
 class StagedProgram:
@@ -69,10 +64,6 @@ class StagedProgram:
     @property
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self.slabs)
-
-    @property
-    def num_runs(self) -> int:
-        return sum(s.num_runs for s in self.slabs)
 
 
 #: requests of at most this many slots are staged in plain Python: NumPy's per-call
@@ -336,9 +327,3 @@ def slab_descriptors(program: StagedProgram, slab: Slab, stage_ptr: int
     if program.gpu_to_cpu:
         return stage, slab.host_ptr, slab.sizes
     return slab.host_ptr, stage, slab.sizes
-
-
-def describe(program: StagedProgram) -> dict[str, Any]:
-    """Counts for logs and stats."""
-    return {"slabs": len(program.slabs), "runs": program.num_runs, "bytes": program.nbytes,
-            "rows_per_slab": program.rows_per_slab, "row_span": program.rows.span}
