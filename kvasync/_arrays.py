@@ -43,11 +43,13 @@ class ArrayInfo:
             n *= s
         return n
 
-    def inner_dense(self) -> bool:
-        """True when the dims after the first, in some order of their strides, are densely
-        packed with positive strides: then one dim-0 row is one byte range starting at its
-        first element (C order, or a permuted view such as vLLM's HND over NHD)."""
-        dims = sorted((st, sz) for sz, st in zip(self.shape[1:], self.strides[1:]) if sz != 1)
+    def inner_dense(self, skip: int | None = None) -> bool:
+        """True when the dims after the first (other than `skip`), in some order of their
+        strides, are densely packed with positive strides: then one dim-0 row is one byte
+        range starting at its first element (C order, or a permuted view such as vLLM's HND
+        over NHD)."""
+        dims = sorted((st, sz) for d, (sz, st) in enumerate(zip(self.shape, self.strides))
+                      if d != 0 and d != skip and sz != 1)
         expected = self.itemsize
         for stride, size in dims:
             if stride != expected:

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from ._arrays import ArrayInfo, array_info, is_array, move_to_front, select
+from ._arrays import array_info, is_array, move_to_front, select
 from ._errors import InvalidTransferError
 
 __all__ = ["blocks_first", "check_list", "vllm_block_views"]
@@ -102,18 +102,6 @@ def _guess_block_dim(shape: tuple[int, ...], what: str) -> int:
     return 0
 
 
-def _dense_without(info: ArrayInfo, skip: int) -> bool:
-    """Whether the dims after dim 0 other than `skip` are densely packed in some order."""
-    dims = sorted((st, sz) for d, (sz, st) in enumerate(zip(info.shape, info.strides))
-                  if d not in (0, skip) and sz != 1)
-    expected = info.itemsize
-    for stride, size in dims:
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
 def _split(t: Any, block_dim: int, what: str) -> list[Any]:
     """Views of `t` with the blocks first, each one byte range per block: one view, or the
     K and V views when a dim of size 2 separates them in memory."""
@@ -123,7 +111,7 @@ def _split(t: Any, block_dim: int, what: str) -> list[Any]:
         raise InvalidTransferError(f"{what}: negative strides {info.strides} are not supported")
     if info.inner_dense():
         return [moved]
-    kv = [d for d in range(1, len(info.shape)) if info.shape[d] == 2 and _dense_without(info, d)]
+    kv = [d for d in range(1, len(info.shape)) if info.shape[d] == 2 and info.inner_dense(skip=d)]
     if len(kv) != 1:
         raise InvalidTransferError(
             f"{what}: with dim {block_dim} as the block dim, a block of shape {info.shape} "
