@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from .._arrays import ArrayInfo
     from .._program import TransferPlan
 
-__all__ = ["HostBackend", "HostEvent", "HostStream"]
+__all__ = ["AddressRanges", "HostBackend", "HostEvent", "HostStream"]
 
 _memmove = ctypes.memmove
 
@@ -155,6 +155,53 @@ class HostStream(Stream):
         return f"<HostStream {self._name} {state}>"
 
 
+class AddressRanges:
+    """The address ranges copies may touch, merged and sorted; `check` fails descriptors
+    outside them as a device would fault on an illegal address (thread-safe)."""
+
+    def __init__(self, where: str = "the registered tensors") -> None:
+        self._where = where
+        self._ranges: list[tuple[int, int]] = []
+        self._starts = np.zeros(0, dtype=np.uint64)
+        self._ends = np.zeros(0, dtype=np.uint64)
+        self._lock = threading.Lock()
+
+    def add(self, lo: int, hi: int) -> None:
+        with self._lock:
+            merged: list[tuple[int, int]] = []
+            for a, b in sorted([*self._ranges, (lo, hi)]):
+                if merged and a <= merged[-1][1]:
+                    merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+                else:
+                    merged.append((a, b))
+            self._ranges = merged
+            self._starts = np.asarray([a for a, _ in merged], dtype=np.uint64)
+            self._ends = np.asarray([b for _, b in merged], dtype=np.uint64)
+
+    def add_array(self, info: ArrayInfo) -> tuple[int, int] | None:
+        """Add every byte an array's rows span; returns that range (None if empty)."""
+        if info.nbytes == 0:
+            return None
+        lo = info.ptr
+        hi = max(info.ptr + (info.shape[0] - 1) * info.row_stride + info.row_bytes,
+                 info.ptr + info.nbytes)
+        self.add(lo, hi)
+        return lo, hi
+
+    def check(self, ptrs: np.ndarray, sizes: np.ndarray, what: str = "descriptor") -> None:
+        starts, ends = self._starts, self._ends
+        idx = np.searchsorted(starts, ptrs, side="right").astype(np.int64) - 1
+        ok = idx >= 0
+        safe = np.where(ok, idx, 0)
+        ok &= (ptrs + sizes) <= ends[safe]
+        if not ok.all():
+            bad = int(np.flatnonzero(~ok)[0])
+            raise TransferFailedError(
+                f"illegal address: {what} {bad} [{int(ptrs[bad]):#x}, +{int(sizes[bad])}) "
+                f"lies outside {self._where}"
+            )
+
+
 class _HostRing:
     """The staging buffers of one direction of the "staged" path."""
 
@@ -173,11 +220,8 @@ class HostBackend(Backend):
     STAGING_BYTES = 8 << 20
 
     def __init__(self, tensor_kind: str = "numpy", device_id: int = -1) -> None:
-        self._ranges: list[tuple[int, int]] = []
-        self._starts = np.zeros(0, dtype=np.uint64)
-        self._ends = np.zeros(0, dtype=np.uint64)
+        self._bounds = AddressRanges()
         self._streams: list[HostStream] = []
-        self._lock = threading.Lock()
         self._fail_next: list[BaseException] = []
         self.staging_bytes = self.STAGING_BYTES
         self._rings: dict[str, _HostRing] = {}
@@ -194,26 +238,10 @@ class HostBackend(Backend):
             )
 
     def register_array(self, info: ArrayInfo) -> None:
-        if info.nbytes == 0:
-            return
-        lo = info.ptr
-        hi = info.ptr + (info.shape[0] - 1) * info.row_stride + info.row_bytes
-        hi = max(hi, info.ptr + info.nbytes)
-        self._add_range(lo, hi)
+        self._bounds.add_array(info)
 
     def _add_range(self, lo: int, hi: int) -> None:
-        with self._lock:
-            self._ranges.append((lo, hi))
-            self._ranges.sort()
-            merged: list[tuple[int, int]] = []
-            for a, b in self._ranges:
-                if merged and a <= merged[-1][1]:
-                    merged[-1] = (merged[-1][0], max(merged[-1][1], b))
-                else:
-                    merged.append((a, b))
-            self._ranges = merged
-            self._starts = np.asarray([a for a, _ in merged], dtype=np.uint64)
-            self._ends = np.asarray([b for _, b in merged], dtype=np.uint64)
+        self._bounds.add(lo, hi)
 
     def alloc_host(self, nbytes: int, row_bytes: int) -> HostMemory:
         mem = host_memory(nbytes, row_bytes)
@@ -221,17 +249,7 @@ class HostBackend(Backend):
         return mem
 
     def _check_bounds(self, ptrs: np.ndarray, sizes: np.ndarray) -> None:
-        starts, ends = self._starts, self._ends
-        idx = np.searchsorted(starts, ptrs, side="right").astype(np.int64) - 1
-        ok = idx >= 0
-        safe = np.where(ok, idx, 0)
-        ok &= (ptrs + sizes) <= ends[safe]
-        if not ok.all():
-            bad = int(np.flatnonzero(~ok)[0])
-            raise TransferFailedError(
-                f"illegal address: descriptor {bad} [{int(ptrs[bad]):#x}, +{int(sizes[bad])}) "
-                "lies outside the registered tensors"
-            )
+        self._bounds.check(ptrs, sizes)
 
     # -- streams and events ----------------------------------------------------------------
     def new_stream(self) -> Stream:

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .._backends._base import Backend, Direction, Event, HostMemory, Stream
-from .._backends._host import HostEvent, HostStream, _Mark
+from .._backends._host import AddressRanges, HostEvent, HostStream, _Mark
 from .._errors import (
     BackendUnavailableError,
     InvalidTransferError,
@@ -124,7 +124,7 @@ class NixlBackend(Backend):
         self.timeout = float(timeout)
         self._streams: list[_NixlStream] = []
         self._regs: list[Any] = []
-        self._ranges: list[tuple[int, int]] = []
+        self._bounds = AddressRanges("the registered memory")
         self._lock = threading.Lock()
         self._closed = False
         self.peer_lost = threading.Event()
@@ -146,6 +146,8 @@ class NixlBackend(Backend):
                                            f"{reply.get('error')}")
             self.remote_base = int(reply["base"])
             self.remote_nbytes = int(reply["nbytes"])
+            self._remote_bounds = AddressRanges("the registered memory")
+            self._remote_bounds.add(self.remote_base, self.remote_base + self.remote_nbytes)
             self._agent = new_agent(f"kvasync-{os.getpid()}-{uuid.uuid4().hex[:8]}")
             self.peer_name = self._agent.add_remote_agent(
                 base64.b64decode(reply["metadata"]))
@@ -184,16 +186,14 @@ class NixlBackend(Backend):
                 f"{what}: this remote offloader moves {want} memory, got {info.device} memory")
 
     def register_array(self, info: ArrayInfo) -> None:
-        if info.nbytes == 0:
+        span = self._bounds.add_array(info)
+        if span is None:
             return
-        lo = info.ptr
-        hi = max(info.ptr + (info.shape[0] - 1) * info.row_stride + info.row_bytes,
-                 info.ptr + info.nbytes)
+        lo, hi = span
         mem = "VRAM" if self.device == "cuda" else "DRAM"
         with self._lock:
             self._regs.append(self._agent.register_memory(
                 [(lo, hi - lo, self.device_id if mem == "VRAM" else 0, "")], mem))
-            self._ranges.append((lo, hi))
 
     def alloc_host(self, nbytes: int, row_bytes: int) -> HostMemory:
         raise InvalidTransferError("the remote tier keeps its rows in the pool, not locally")
@@ -249,9 +249,8 @@ class NixlBackend(Backend):
         parts = [p.coalesced() for p in pieces if p.num_descriptors]
         src, dst, sizes = (np.concatenate(x) for x in zip(*parts))
         local, remote = (src, dst) if direction == "d2h" else (dst, src)
-        self._check(local, sizes, self._ranges, "local")
-        self._check(remote, sizes, [(self.remote_base, self.remote_base + self.remote_nbytes)],
-                    "remote")
+        self._bounds.check(local, sizes, "local descriptor")
+        self._remote_bounds.check(remote, sizes, "remote descriptor")
         n = len(sizes)
         mem = "VRAM" if self.device == "cuda" else "DRAM"
         lrows = np.empty((n, 3), dtype=np.uint64)
@@ -259,18 +258,6 @@ class NixlBackend(Backend):
         rrows = np.empty((n, 3), dtype=np.uint64)
         rrows[:, 0], rrows[:, 1], rrows[:, 2] = remote, sizes, 0
         return self._agent.get_xfer_descs(lrows, mem), self._agent.get_xfer_descs(rrows, "DRAM")
-
-    @staticmethod
-    def _check(ptrs: np.ndarray, sizes: np.ndarray, ranges: list[tuple[int, int]],
-               side: str) -> None:
-        ok = np.zeros(len(ptrs), dtype=bool)
-        for lo, hi in ranges:
-            ok |= (ptrs >= np.uint64(lo)) & (ptrs + sizes <= np.uint64(hi))
-        if not ok.all():
-            bad = int(np.flatnonzero(~ok)[0])
-            raise TransferFailedError(
-                f"illegal address: {side} descriptor {bad} [{int(ptrs[bad]):#x}, "
-                f"+{int(sizes[bad])}) lies outside the registered memory")
 
     def _execute(self, pieces: list[TransferPlan], direction: Direction) -> None:
         """Post the transfer as one NIXL request and wait for it (on a stream thread)."""
