@@ -82,6 +82,20 @@ def scenario(draw: st.DrawFn) -> dict:  # type: ignore[type-arg]
                 store=store, gsizes=gsizes, bidx=bidx, gpu=gpu_ids, cpu=cpu_ids, row_pad=row_pad)
 
 
+def oracle_refs(s: dict) -> list[list[Ref]]:  # type: ignore[type-arg]
+    """The scenario's groups as the oracle's refs (fragments and writer rotation if
+    canonical)."""
+    return [
+        [Ref(t, s["pages"][t],
+             None if not s["canonical"] else
+             [f for r in s["mappings"][t].runs for f in r.fragments()],
+             s["mappings"][t].num_writers if s["canonical"] else 1,
+             s["mappings"][t].writer_index if s["canonical"] else 0)
+         for t in g]
+        for g in s["groups"]
+    ]
+
+
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenario())
 def test_plan_matches_oracle(s: dict) -> None:  # type: ignore[type-arg]
@@ -103,15 +117,7 @@ def test_plan_matches_oracle(s: dict) -> None:  # type: ignore[type-arg]
     src, dst, sizes = plan.flat()
     got = list(zip(src.tolist(), dst.tolist(), sizes.tolist()))
 
-    o_refs = [
-        [Ref(t, s["pages"][t],
-             None if not s["canonical"] else
-             [f for r in s["mappings"][t].runs for f in r.fragments()],
-             s["mappings"][t].num_writers if s["canonical"] else 1,
-             s["mappings"][t].writer_index if s["canonical"] else 0)
-         for t in g]
-        for g in s["groups"]
-    ]
+    o_refs = oracle_refs(s)
     expected = copies(o_refs, Side(gpu.base, gpu_rows, [0] * n_t),
                       Side(host.base, host_rows, list(sub)), bpc, s["gpu"], s["cpu"],
                       s["gsizes"], s["bidx"], s["store"])

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-from oracle import Ref, Side, byte_map, copies
-from test_descriptors_property import BIG, scenario
+from oracle import Side, byte_map, copies
+from test_descriptors_property import BIG, oracle_refs, scenario
 
 from kvasync._layout import KVCacheLayout, KVRef, KVTensor
 from kvasync._program import (
@@ -46,15 +46,7 @@ def _setup(s: dict, data: st.DataObject) -> tuple:  # type: ignore[type-arg]
     host = SideGeometry([base + offsets[t] for t in range(n_t)], [row] * n_t, list(sub),
                         [s["num_chunks"]] * n_t, bpc)
     table = build_ref_table(layout, gpu, host, s["store"], s["canonical"])
-    o_refs = [
-        [Ref(t, s["pages"][t],
-             None if not s["canonical"] else
-             [f for r in s["mappings"][t].runs for f in r.fragments()],
-             s["mappings"][t].num_writers if s["canonical"] else 1,
-             s["mappings"][t].writer_index if s["canonical"] else 0)
-         for t in g]
-        for g in s["groups"]
-    ]
+    o_refs = oracle_refs(s)
     expected = copies(o_refs, Side(gpu.base, gpu_rows, [0] * n_t),
                       Side(host.base, [row] * n_t, list(sub)), bpc, s["gpu"], s["cpu"],
                       s["gsizes"], s["bidx"], s["store"])
