@@ -59,21 +59,20 @@ def check_job_id(job_id: Any) -> None:
 
 
 def chunks_for(
-    num_cpu_chunks: int | None, cpu_bytes: int | None, pages: list[int], blocks_per_chunk: int,
-    row_bytes: int | None = None,
+    num_cpu_chunks: int | None, cpu_bytes: int | None, row_bytes: int, num_tensors: int,
+    blocks_per_chunk: int,
 ) -> int:
     """Chunks per tensor: `num_cpu_chunks`, or as many whole chunks as `cpu_bytes` holds
     (`row_bytes`: one chunk of every tensor as the host rows lay it out, alignment
-    included; default: the pages' sum)."""
+    included)."""
     if num_cpu_chunks is not None:
         return int(num_cpu_chunks)
     assert cpu_bytes is not None
-    per_chunk = row_bytes or sum(pages) * blocks_per_chunk  # one chunk of every tensor
-    chunks = int(cpu_bytes) // per_chunk
+    chunks = int(cpu_bytes) // row_bytes
     if chunks < 1:
         raise InvalidTransferError(
-            f"cpu_bytes={cpu_bytes} holds no whole chunk: one chunk of the {len(pages)} KV "
-            f"tensors ({blocks_per_chunk} block(s) each) takes {per_chunk} B"
+            f"cpu_bytes={cpu_bytes} holds no whole chunk: one chunk of the {num_tensors} KV "
+            f"tensors ({blocks_per_chunk} block(s) each) takes {row_bytes} B"
         )
     return chunks
 

@@ -102,10 +102,9 @@ class Offloader:
         self.canonical = bool(canonical)
         canon_sizes = layout.canonical_bytes_per_block() if self.canonical else None
         sizes = canon_sizes if canon_sizes is not None else [t.page for t in layout.tensors]
-        self.num_cpu_chunks = chunks_for(
-            num_cpu_chunks, cpu_bytes, sizes, self.blocks_per_chunk,
-            row_offsets(layout, [s * self.blocks_per_chunk for s in sizes])[1],
-        )
+        row = row_offsets(layout, [s * self.blocks_per_chunk for s in sizes])[1]
+        self.num_cpu_chunks = chunks_for(num_cpu_chunks, cpu_bytes, row, len(sizes),
+                                         self.blocks_per_chunk)
         first = layout.tensors[0].info
         if isinstance(backend, Backend):
             self.backend = backend
@@ -268,7 +267,8 @@ class Offloader:
                           self.backend.reads_plan_later)
         parts = split_plan(plan, spec)
         check_job_id(job_id)  # both before an id is drawn: a refused call uses none
-        self.backend.compute_stream(stream if stream is not None else self._compute_override)
+        stream = self.backend.compute_stream(
+            stream if stream is not None else self._compute_override)  # once for every layer
         jid = job_id if job_id is not None else next(self._job_ids)
         signals = [self.backend.new_event(timing=False) for _ in parts]
         transfers = [
