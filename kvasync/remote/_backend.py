@@ -327,14 +327,19 @@ class NixlBackend(Backend):
         except Exception as exc:
             log.debug("kvasync: removing the pool's agent failed: %s", exc)
         self._drop_connection()
-        self._watcher.join(timeout=10)
         self._agent = None
 
     def _drop_connection(self) -> None:
+        """Half-close the control connection and wait (bounded) for the pool to close its
+        end: it does so after zeroing and taking back this client's region, so when close()
+        returns the region is free for the next client."""
+        watcher = getattr(self, "_watcher", None)  # none yet while attaching
         try:
-            self._sock.shutdown(socket.SHUT_RDWR)
+            self._sock.shutdown(socket.SHUT_WR if watcher is not None else socket.SHUT_RDWR)
         except OSError:
             pass
+        if watcher is not None:
+            watcher.join(timeout=10)
         self._sock.close()
 
     @property

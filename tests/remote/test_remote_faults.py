@@ -248,3 +248,19 @@ def test_serve_says_so_in_one_line_when_the_pool_cannot_be_allocated() -> None:
         pytest.skip("this host's kernel let a 64 TiB mapping through (overcommit)")
     assert proc.returncode == 1, (out, err)
     assert "cannot allocate" in err and "Traceback" not in err, err
+
+
+@needs_nixl
+@pytest.mark.timeout(120)
+def test_a_closed_clients_region_is_free_when_close_returns() -> None:
+    """close() waits for the pool to take the region back: a pool that holds one region
+    serves client after client with no wait in between."""
+    from kvasync.remote import RemoteOffloader, RemotePool
+
+    with RemotePool(1 << 20) as pool:
+        addr = f"{pool.address[0]}:{pool.address[1]}"
+        layout = kv.KVCacheLayout.from_tensors([np.full((256, 4096), 5, np.uint8)])
+        for _ in range(5):
+            with RemoteOffloader(layout, 256, peer=addr) as off:  # the whole pool
+                assert off.store(gpu_blocks=[0], cpu_chunks=[0]).wait(20).success
+            assert pool.free_bytes == pool.pool_bytes

@@ -34,21 +34,6 @@ def _nixl_missing() -> str | None:
     return None
 
 
-def _connect(layout: kv.KVCacheLayout, chunks: int, address: str) -> Any:
-    """A RemoteOffloader, retried for a few seconds while the pool still frees the region
-    of the client before."""
-    from kvasync.remote import RemoteOffloader
-
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            return RemoteOffloader(layout, chunks, peer=address)
-        except kv.InvalidTransferError as exc:
-            if "no free region" not in str(exc) or time.monotonic() > deadline:
-                raise
-            time.sleep(0.1)
-
-
 def _time(off: Any, direction: str, gpu: Any, cpu: Any, reps: int) -> tuple[list[float], int]:
     samples: list[float] = []
     moved = 0
@@ -69,12 +54,13 @@ def run(ctx: Context) -> list[Row]:
     if missing is not None:
         print(f"remote: skipped, {missing}", file=sys.stderr)
         return []
+    from kvasync.remote import RemoteOffloader
+
     nbytes = min(ctx.total, REMOTE_BYTES)
     rows: list[Row] = []
     from kvasync.serve import spawn
 
-    # room for two regions: a closed client's region returns to the pool asynchronously
-    proc, address = spawn(2 * nbytes + 64 * MiB)
+    proc, address = spawn(nbytes + 64 * MiB)
     try:
         for page in ctx.opts.pages:
             local = ctx.offloader(page)
@@ -82,7 +68,7 @@ def run(ctx: Context) -> list[Row]:
             cpu = ctx.rng.permutation(len(gpu))  # the pool holds just these chunks
             chunks = len(gpu)
             views = ctx.pool_views(page, ctx.tensors)
-            remote = _connect(kv.KVCacheLayout.from_tensors(views), chunks, address)
+            remote = RemoteOffloader(kv.KVCacheLayout.from_tensors(views), chunks, peer=address)
             try:
                 for direction in DIRECTIONS:
                     ctx.progress(f"remote {page} {direction}")
