@@ -74,6 +74,7 @@ class CudaBackend(CudaDevice):
     #: urgent transfer takes the kernel, the smallest mean descriptor sent to DMA while
     #: the other direction is busy (0: off)
     STAGED_MIN_BYTES = _cuda_policy.STAGED_MIN_BYTES
+    STAGED_MAX_PAGE_BYTES = _cuda_policy.STAGED_MAX_PAGE_BYTES
     URGENT_KERNEL = _cuda_policy.URGENT_KERNEL
     CONTENDED_DMA_BYTES = _cuda_policy.CONTENDED_DMA_BYTES
     #: DMA (`_cuda_dma`): runs sent as single copies, helper streams of fan-out, the
@@ -190,7 +191,7 @@ class CudaBackend(CudaDevice):
             return "kernel"
         return choose_auto(direction, plan, urgent, other_busy, layered, self.URGENT_KERNEL,
                            self.CONTENDED_DMA_BYTES, self.STAGED_MIN_BYTES, self._stage,
-                           self.calibration)
+                           self.calibration, self.STAGED_MAX_PAGE_BYTES)
 
     def _stage(self, plan: TransferPlan, direction: Direction) -> bool:
         """Build `plan`'s staged program for "auto" (False: the plan cannot be staged)."""

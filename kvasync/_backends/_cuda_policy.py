@@ -31,6 +31,13 @@ names (the backend passes its current values to `choose_auto`):
   layer-wise load); 0 turns staged off under "auto". Below it, a transfer's fixed host
   cost (program, job upload, events: ~50-100 us) outweighs what the copy engines save on
   the link.
+- `STAGED_MAX_PAGE_BYTES`: ... and whose descriptors average less than this many bytes.
+  Pages of 256 KiB and more need no staging: DMA moves them near the ceiling alone (0.94 /
+  0.91 of it against staged 0.93 / 0.91, H200, 64 tensors) and, beside a bf16 matmul loop,
+  kept the matmul at 100% while moving 96% / 92% of the link, where staged moved 37%
+  (docs/benchmarks/bench.json, section interference). At 4-16 KiB staged moved 59-77% of
+  the link at 96-101% of the matmul; the kernel cut the matmul to 64% on stores and DMA is
+  driver-bound.
 """
 
 from __future__ import annotations
@@ -55,6 +62,7 @@ __all__ = [
     "CAL_BYTES",
     "CAL_PAGES",
     "CONTENDED_DMA_BYTES",
+    "STAGED_MAX_PAGE_BYTES",
     "STAGED_MIN_BYTES",
     "URGENT_KERNEL",
     "Calibration",
@@ -68,6 +76,7 @@ log = logging.getLogger("kvasync")
 URGENT_KERNEL = True
 CONTENDED_DMA_BYTES = 64 << 10
 STAGED_MIN_BYTES = 2 << 20
+STAGED_MAX_PAGE_BYTES = 128 << 10
 #: the concrete paths calibration times
 PATHS = ("kernel", "dma")
 
@@ -143,10 +152,12 @@ def choose_auto(
     direction: Direction, plan: TransferPlan, urgent: bool, other_busy: bool, layered: bool,
     urgent_kernel: bool, contended_dma_bytes: int, staged_min_bytes: int,
     stage: Callable[[TransferPlan, Direction], bool], calibration: Callable[[], Calibration],
+    staged_max_page_bytes: int = STAGED_MAX_PAGE_BYTES,
 ) -> str:
     """The "auto" rules for `plan` (whose host side is pinned and registered), in order:
-    urgent -> kernel; empty -> dma; big enough and `stage(plan, direction)` (which builds
-    the staged program, False if the plan cannot be staged) -> staged; the other
+    urgent -> kernel; empty -> dma; big enough, descriptors below `staged_max_page_bytes`
+    on average, and `stage(plan, direction)` (which builds the staged program, False if
+    the plan cannot be staged) -> staged; the other
     direction busy with big descriptors -> dma; else the calibration's choice
     (`calibration()` measures at its first call). Reads only `plan.nbytes` and
     `plan.num_descriptors`; positional arguments: this runs on every submission."""
@@ -156,7 +167,7 @@ def choose_auto(
     if count == 0:
         return "dma"
     if staged_min_bytes and nbytes >= staged_min_bytes and not layered \
-            and stage(plan, direction):
+            and nbytes < staged_max_page_bytes * count and stage(plan, direction):
         return "staged"
     if other_busy and contended_dma_bytes and nbytes >= contended_dma_bytes * count:
         return "dma"

@@ -9,6 +9,7 @@ import pytest
 
 from kvasync._backends._cuda_policy import (
     CONTENDED_DMA_BYTES,
+    STAGED_MAX_PAGE_BYTES,
     STAGED_MIN_BYTES,
     Calibration,
     choose_auto,
@@ -29,12 +30,19 @@ def choose(plan: Plan, *, urgent: bool = False, busy: bool = False, layered: boo
         return stageable
 
     return choose_auto("h2d", plan, urgent, busy, layered, True,  # type: ignore[arg-type]
-                       CONTENDED_DMA_BYTES, STAGED_MIN_BYTES, stage, Calibration.static_default)
+                       CONTENDED_DMA_BYTES, STAGED_MIN_BYTES, stage,
+                       Calibration.static_default, STAGED_MAX_PAGE_BYTES)
 
 
-@pytest.mark.parametrize("page", [4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB])
-def test_big_stageable_transfers_are_staged(page: int) -> None:
+@pytest.mark.parametrize("page", [4 * KiB, 16 * KiB, 64 * KiB])
+def test_small_pages_of_a_big_transfer_are_staged(page: int) -> None:
     assert choose(Plan(64 * MiB, 64 * MiB // page)) == "staged"
+
+
+@pytest.mark.parametrize("page", [256 * KiB, 2 * MiB])
+def test_big_pages_are_not_staged(page: int) -> None:
+    """DMA moves them near the ceiling and leaves a concurrent matmul alone."""
+    assert choose(Plan(64 * MiB, 64 * MiB // page)) != "staged"
 
 
 def test_the_exceptions_to_staging() -> None:
