@@ -23,7 +23,7 @@ import threading
 from typing import TYPE_CHECKING
 
 from .._errors import InvalidTransferError, TransferFailedError
-from .._program import build_staged, prepare_staged
+from .._program import check_stageable, staged_rows
 from . import _cuda_dma, _cuda_policy, _cudart
 from ._base import Direction, Stream
 from ._cuda_device import (
@@ -176,7 +176,7 @@ class CudaBackend(CudaDevice):
             if not self.kernel_available:
                 self._warn_once("copy path 'staged' needs working kernels; using 'dma'")
                 return "dma"
-            prepare_staged(plan, direction, self._ring(direction).slab_bytes)
+            check_stageable(plan, direction, self._ring(direction).slab_bytes)
             return "staged"
         if not host_pinned or not self.kernel_available:
             if path == "kernel":
@@ -194,12 +194,9 @@ class CudaBackend(CudaDevice):
                            self.calibration, self.STAGED_MAX_PAGE_BYTES)
 
     def _stage(self, plan: TransferPlan, direction: Direction) -> bool:
-        """Build `plan`'s staged program for "auto" (False: the plan cannot be staged)."""
-        program = build_staged(plan, direction == "d2h", self._ring(direction).slab_bytes)
-        if program is None:
-            return False
-        plan.staged = program
-        return True
+        """Whether "auto" may stage `plan` (its program is built when it is enqueued, piece
+        by piece for a big transfer)."""
+        return staged_rows(plan, direction == "d2h", self._ring(direction).slab_bytes) is not None
 
     def _warn_once(self, message: str) -> None:
         if not self._warned_unpinned:
@@ -231,6 +228,9 @@ class CudaBackend(CudaDevice):
     ) -> None:
         """The pieces of one transfer; their fanned-out DMA batches share one fork and one
         join of the helper streams, whole pieces round-robin (`FAN_JOIN_PIECES`)."""
+        if path == "staged":
+            self._enqueue_staged_pieces(stream, pieces, direction)
+            return
         if len(pieces) < 2 or (path != "dma" and path != "auto") or self._batch is None:
             super().enqueue_pieces(stream, pieces, direction, path)
             return
@@ -252,6 +252,21 @@ class CudaBackend(CudaDevice):
             if fan is not None:
                 fan.join()
 
+    def _enqueue_staged_pieces(self, stream: Stream, pieces: Sequence[TransferPlan],
+                               direction: Direction) -> None:
+        """A big staged transfer, piece after piece through one staging ring: each piece's
+        program is built as it is enqueued, so the first slab starts after a small piece's
+        host work instead of the whole transfer's. Only the first piece waits for the
+        stream's position (loads) and only the last makes the stream wait for its last row
+        copy (stores): in between the ring's events keep the copy engines busy."""
+        cuda_stream, _ = self._concrete(stream, pieces[0], direction, "staged")
+        todo = [p for p in pieces if p.num_descriptors]
+        for k, piece in enumerate(todo):
+            if cuda_stream._error is not None:
+                return
+            self._enqueue(cuda_stream, piece, direction, "staged",
+                          edges=(k == 0, k == len(todo) - 1))
+
     def _concrete(self, stream: Stream, plan: TransferPlan, direction: Direction,
                   path: str) -> tuple[CudaStream, str]:
         """`stream` and `path` (resolved) checked: InvalidTransferError before anything is
@@ -265,7 +280,8 @@ class CudaBackend(CudaDevice):
         return stream, path
 
     def _enqueue(self, stream: CudaStream, plan: TransferPlan, direction: Direction,
-                 path: str, fan: FanRound | None = None) -> None:
+                 path: str, fan: FanRound | None = None,
+                 edges: tuple[bool, bool] = (True, True)) -> None:
         if self._closed:
             raise TransferFailedError("the cuda backend is closed")
         if not self._ready:
@@ -273,19 +289,19 @@ class CudaBackend(CudaDevice):
         if path in ("kernel", "staged") and self._kernel_error is not None:
             raise TransferFailedError(f"copy kernels unavailable: {self._kernel_error}")
         if cupy().cuda.runtime.getDevice() == self.device_id:  # cheaper than a Device()
-            self._copy(stream, plan, direction, path, fan)
+            self._copy(stream, plan, direction, path, fan, edges)
         else:
             with self._device():
-                self._copy(stream, plan, direction, path, fan)
+                self._copy(stream, plan, direction, path, fan, edges)
         self.counts[path] += 1
 
     def _copy(self, stream: CudaStream, plan: TransferPlan, direction: Direction, path: str,
-              fan: FanRound | None) -> None:
+              fan: FanRound | None, edges: tuple[bool, bool] = (True, True)) -> None:
         if path == "kernel":
             self._kernel.copy(stream, plan, direction, self.grid)
         elif path == "staged":
             self._staged.enqueue(self._ring(direction), stream, plan, direction,
-                                 self.staged_grid or DEFAULT_GRID, self._batch)
+                                 self.staged_grid or DEFAULT_GRID, self._batch, edges)
         else:
             self._dma.copy(stream, plan, direction, self._batch, fan,
                            each_runs=self.EACH_RUNS, fan_out=self.FAN_OUT,

@@ -112,7 +112,8 @@ class StagedPath:
         self.rings.clear()
 
     def enqueue(self, ring: StagingRing, stream: CudaStream, plan: TransferPlan,
-                direction: Direction, grid: int, batch: _cudart.BatchCopier | None) -> None:
+                direction: Direction, grid: int, batch: _cudart.BatchCopier | None,
+                edges: tuple[bool, bool] = (True, True)) -> None:
         """Enqueue `plan`'s staged program on `stream` (kernel side) and the ring's helper
         stream (copy engines); when `stream` reaches its next event, every slab has landed.
 
@@ -121,7 +122,11 @@ class StagedPath:
         Stores: pack slab k into buffer b (after b's last DMA), DMA b -> host rows on the
         helper; `stream` finally waits for the last DMA. Loads: the helper waits for
         `stream`'s position (compute and FIFO waits), DMAs rows into b (after b's last
-        unpack), and `stream` unpacks after each landing. Returns without waiting."""
+        unpack), and `stream` unpacks after each landing. Returns without waiting.
+
+        `edges` (first, last) are False for the inner pieces of one transfer: the helper
+        already follows the first piece's fork (loads) and the stream waits for the last
+        piece's final row copy only (stores), so pieces pipeline like one program."""
         program: StagedProgram = plan.staged or prepare_staged(plan, direction,
                                                                ring.slab_bytes)
         if not program.slabs:
@@ -149,7 +154,7 @@ class StagedPath:
                 st.words[off : off + len(job.words)] = job.words
             rt = cupy().cuda.runtime
             rt.memcpyAsync(st.dev_ptr, st.host_ptr, offsets[-1] * 8, _H2D, stream.ptr)
-            if not store:
+            if not store and edges[0]:
                 fork = create_event(self.device_id, timing=False)
                 stream.record(fork)
                 helper.wait_event(fork)
@@ -182,7 +187,7 @@ class StagedPath:
                                                   jobs[k], grid)
                     stream.record(ring.free[b])
                 keep.append((src, dst, sizes))
-            if store:
+            if store and edges[1]:
                 stream.wait_event(ring.free[last])
 
     def _dma(self, batch: _cudart.BatchCopier | None, helper: CudaStream, src: np.ndarray,

@@ -21,7 +21,13 @@ import numpy as np
 
 from .._errors import InvalidTransferError, TransferFailedError
 from .._hostmem import host_memory
-from .._program import StagedProgram, kernel_plan, prepare_staged, slab_descriptors
+from .._program import (
+    StagedProgram,
+    check_stageable,
+    kernel_plan,
+    prepare_staged,
+    slab_descriptors,
+)
 from ._base import Backend, Direction, Event, HostMemory, Stream
 
 if TYPE_CHECKING:
@@ -279,7 +285,7 @@ class HostBackend(Backend):
         urgent: bool = False, other_busy: bool = False, layered: bool = False,
     ) -> str:
         if path == "staged":
-            prepare_staged(plan, direction, self._ring(direction).slab_bytes)
+            check_stageable(plan, direction, self._ring(direction).slab_bytes)
             return path
         return "memmove"
 

@@ -17,9 +17,11 @@ from .staged import (
     Slab,
     StagedProgram,
     build_staged,
+    check_stageable,
     kernel_plan,
     prepare_staged,
     slab_descriptors,
+    staged_rows,
 )
 from .table import RefTable, SideGeometry, build_ref_table
 
@@ -37,11 +39,13 @@ __all__ = [
     "build_plan",
     "build_ref_table",
     "build_staged",
+    "check_stageable",
     "coalesce",
     "kernel_plan",
     "prepare_staged",
     "row_side",
     "slab_descriptors",
     "split_plan",
+    "staged_rows",
     "staging_table",
 ]

@@ -36,8 +36,8 @@ from .plan import Segment, TransferPlan
 from .rows import MAX_FACTOR, RowSide, coalesce_runs, coverage_pattern, row_side, staging_table
 from .table import U64, RefTable
 
-__all__ = ["Slab", "StagedProgram", "build_staged", "kernel_plan",
-           "prepare_staged", "slab_descriptors"]
+__all__ = ["Slab", "StagedProgram", "build_staged", "check_stageable", "kernel_plan",
+           "prepare_staged", "slab_descriptors", "staged_rows"]
 
 
 @dataclass(frozen=True)
@@ -152,19 +152,29 @@ def _build_python(plan: TransferPlan, segs: list[Segment], rows: RowSide, rps: i
     return StagedProgram(tuple(slabs), rows, rps, gpu_to_cpu)
 
 
-def build_staged(plan: TransferPlan, gpu_to_cpu: bool, slab_bytes: int) -> StagedProgram | None:
-    """The staged program of `plan` with staging buffers of `slab_bytes`, or None where the
-    plan cannot be staged (host memory not in rows, a row larger than a buffer, more than
-    `MAX_FACTOR` blocks per chunk, or a raw descriptor plan)."""
+def staged_rows(plan: TransferPlan, gpu_to_cpu: bool, slab_bytes: int) -> RowSide | None:
+    """The host rows `plan` would be staged through, or None where it cannot be staged
+    (host memory not in rows, a row larger than a buffer of `slab_bytes`, more than
+    `MAX_FACTOR` blocks per chunk, or a raw descriptor plan). Cheap: a path choice asks it
+    before the program is built, which for a big transfer happens piece by piece."""
     table = plan.table
     if table is None or (not plan.segments and plan.num_descriptors):
         return None
     rows = row_side(table, gpu_to_cpu)
-    if rows is None or rows.factor > MAX_FACTOR:
+    if rows is None or rows.factor > MAX_FACTOR or int(slab_bytes) // rows.span < 1:
         return None
+    return rows
+
+
+def build_staged(plan: TransferPlan, gpu_to_cpu: bool, slab_bytes: int) -> StagedProgram | None:
+    """The staged program of `plan` with staging buffers of `slab_bytes`, or None where the
+    plan cannot be staged (`staged_rows`)."""
+    rows = staged_rows(plan, gpu_to_cpu, slab_bytes)
+    if rows is None:
+        return None
+    table = plan.table
+    assert table is not None
     rps = int(slab_bytes) // rows.span
-    if rps < 1:
-        return None
     segs = [s for s in plan.segments if len(s.src_slots)]
     if not segs:
         return StagedProgram((), rows, rps, gpu_to_cpu)
@@ -296,16 +306,22 @@ def build_staged(plan: TransferPlan, gpu_to_cpu: bool, slab_bytes: int) -> Stage
     return StagedProgram(tuple(slabs), rows, rps, gpu_to_cpu)
 
 
-def prepare_staged(plan: TransferPlan, direction: str, slab_bytes: int) -> StagedProgram:
-    """Build `plan`'s staged program onto `plan.staged`; InvalidTransferError (before
-    anything is enqueued) where the plan cannot be staged."""
-    program = build_staged(plan, direction == "d2h", slab_bytes)
-    if program is None:
+def check_stageable(plan: TransferPlan, direction: str, slab_bytes: int) -> None:
+    """InvalidTransferError (before anything is enqueued) where `plan` cannot be staged."""
+    if staged_rows(plan, direction == "d2h", slab_bytes) is None:
         raise InvalidTransferError(
             "copy path 'staged' needs host memory in chunk rows (the offloader's own or a "
             f"shared region's), at most {MAX_FACTOR} blocks per chunk and a row of at most "
             f"{slab_bytes} B (one staging buffer)"
         )
+
+
+def prepare_staged(plan: TransferPlan, direction: str, slab_bytes: int) -> StagedProgram:
+    """Build `plan`'s staged program onto `plan.staged`; InvalidTransferError where the
+    plan cannot be staged (`check_stageable`)."""
+    check_stageable(plan, direction, slab_bytes)
+    program = build_staged(plan, direction == "d2h", slab_bytes)
+    assert program is not None
     plan.staged = program
     return program
 
