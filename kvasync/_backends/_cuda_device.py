@@ -176,19 +176,12 @@ def device(device_id: int) -> Any:
     return cupy().cuda.Device(device_id)
 
 
-def create_stream(device_id: int, high_priority: bool = False) -> CudaStream:
-    """Wraps `cudaStreamCreateWithPriority(cudaStreamNonBlocking, p)` on `device_id` (p:
-    `HIGHEST_PRIORITY`, which CUDA clamps to the device's greatest priority, when
-    `high_priority`, else the default); never blocks. The CuPy Stream owns the handle."""
+def create_stream(device_id: int) -> CudaStream:
+    """Wraps `cudaStreamCreateWithFlags(cudaStreamNonBlocking)` on `device_id`; never
+    blocks. The CuPy Stream owns the handle."""
     with device(device_id):
-        raw = cupy().cuda.Stream(non_blocking=True,
-                                 priority=HIGHEST_PRIORITY if high_priority else None)
+        raw = cupy().cuda.Stream(non_blocking=True)
     return CudaStream(raw.ptr, raw, device_id)
-
-
-#: below every device's range: cudaStreamCreateWithPriority clamps it to the greatest
-#: priority (-5 on Hopper), without a range query CuPy does not wrap
-HIGHEST_PRIORITY = -100
 
 
 def create_event(device_id: int, timing: bool = True) -> CudaEvent:
@@ -274,12 +267,6 @@ class CudaDevice(Backend):
     """The device half of the CUDA backend: streams, events, host memory, device checks
     and the adoption of the caller's compute stream (no copy paths: see `CudaBackend`)."""
 
-    #: our streams take the device's greatest priority: the block scheduler then starts a
-    #: staged pack/unpack (tens of microseconds at HBM speed) as soon as a model's kernel
-    #: frees an SM, instead of after that kernel's whole grid, so the copy engines are fed
-    #: beside compute. The kernel path's grid stays resident for its whole copy either way.
-    HIGH_PRIORITY_STREAMS = True
-
     def __init__(self, device_id: int, tensor_kind: str) -> None:
         try:
             cp = cupy()
@@ -349,10 +336,9 @@ class CudaDevice(Backend):
 
     # -- streams and events ---------------------------------------------------------------------
     def new_stream(self) -> Stream:
-        """A non-blocking stream of ours (`create_stream`, high priority unless
-        `HIGH_PRIORITY_STREAMS` is False), after `warm_up()`."""
+        """A non-blocking stream of ours (`create_stream`), after `warm_up()`."""
         self.warm_up()
-        return create_stream(self.device_id, self.HIGH_PRIORITY_STREAMS)
+        return create_stream(self.device_id)
 
     def new_event(self, timing: bool = True) -> Event:
         """A blocking-sync event of ours (`create_event`)."""
