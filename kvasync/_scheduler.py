@@ -170,8 +170,10 @@ class DirectionQueue(LaneCompletion):
     def _piece_bytes(self, path: str) -> int:
         # staged pieces pipeline through one staging ring like one program; a piece's
         # program is built when it is enqueued, so the first slab need not wait for a whole
-        # gigabyte's (~3 ms of host time at 4 KiB pages on the H200 host)
-        return self.KERNEL_PIECE_BYTES if path == "kernel" else self.PIECE_BYTES
+        # gigabyte's (~3 ms of host time at 4 KiB pages on the H200 host). They grow to the
+        # kernel's size: at 32 MiB each piece's job upload and table lookups cost the H200
+        # 1 GiB staged transfers 5-8% of their device time
+        return self.KERNEL_PIECE_BYTES if path in ("kernel", "staged") else self.PIECE_BYTES
 
     def _piece_slots(self, plan: TransferPlan, path: str = "dma") -> tuple[int, int]:
         """(slots per piece, slots of the first piece) for a big `plan` on `path`."""
