@@ -7,8 +7,10 @@ the link's ceiling with one descriptor each and leave the SMs to the model; only
 side is scattered, and a kernel gathers (stores) or scatters (loads) it through a staging
 buffer in device memory at HBM speed, far above the link.
 
-A `StagedProgram` is computed once per transfer from its `TransferPlan`, before anything is
-enqueued, and consumed by a backend without calling back:
+A `StagedProgram` is computed once per plan, when the plan is enqueued, and consumed by a
+backend without calling back (a big transfer is enqueued in pieces, each with its own
+program, so its first slab starts after a small piece's host work; `staged_rows` answers
+whether a plan can be staged without building anything):
 
 - the distinct chunks the plan touches are ranked by id; rank r lives in staging row
   ``r % rows_per_slab`` of slab ``r // rows_per_slab`` (a slab is one staging buffer);
