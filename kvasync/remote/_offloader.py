@@ -26,19 +26,12 @@ from .._errors import (
     OffloaderClosedError,
     TransferFailedError,
 )
-from .._hostmem import row_offsets
 from .._layout import KVCacheLayout
-from .._program import (
-    RefTable,
-    SideGeometry,
-    TransferPlan,
-    build_plan,
-    build_ref_table,
-    split_plan,
-)
+from .._program import RefTable, TransferPlan, build_plan, split_plan
 from .._scheduler import DirectionQueue
 from .._transfer import LayeredTransfer, Transfer
 from ._backend import NixlBackend
+from ._rows import pool_row_bytes, pool_tables
 
 __all__ = ["RemoteOffloader"]
 
@@ -90,10 +83,7 @@ class RemoteOffloader:
         first = layout.tensors[0].info
         if first.device not in ("cpu", "cuda"):
             raise InvalidTransferError(f"unsupported tensor device {first.device!r}")
-        canon = layout.canonical_bytes_per_block() if self.canonical else None
-        sub = canon if canon is not None else [t.page for t in layout.tensors]
-        pages = [s * self.blocks_per_chunk for s in sub]
-        offsets, self.row_bytes = row_offsets(layout, pages)
+        self.row_bytes = pool_row_bytes(layout, self.blocks_per_chunk, self.canonical)
         self.backend = NixlBackend(peer, self.num_cpu_chunks * self.row_bytes, 4096,
                                    device=first.device, device_id=first.device_id,
                                    timeout=float(timeout), staging_bytes=int(staging_bytes))
@@ -106,26 +96,9 @@ class RemoteOffloader:
         except BaseException:
             self.backend.close()
             raise
-        base = self.backend.remote_base
-        gpu_geo = SideGeometry(
-            base=[t.info.ptr for t in layout.tensors],
-            row_stride=[t.info.row_stride if t.num_blocks > 1 else t.info.row_bytes
-                        for t in layout.tensors],
-            sub_stride=[0] * len(layout.tensors),
-            num_rows=[t.num_blocks for t in layout.tensors],
-            factor=1,
-        )
-        host_geo = SideGeometry(
-            base=[base + off for off in offsets],
-            row_stride=[self.row_bytes] * len(offsets),
-            sub_stride=list(sub),
-            num_rows=[self.num_cpu_chunks] * len(offsets),
-            factor=self.blocks_per_chunk,
-        )
-        self._tables: dict[Direction, RefTable] = {
-            "d2h": build_ref_table(layout, gpu_geo, host_geo, True, self.canonical),
-            "h2d": build_ref_table(layout, gpu_geo, host_geo, False, self.canonical),
-        }
+        self._tables: dict[Direction, RefTable] = pool_tables(
+            layout, self.num_cpu_chunks, self.blocks_per_chunk, self.canonical,
+            self.backend.remote_base)
         self._engine = CompletionEngine(completion)
         lanes: list[tuple[Direction, bool]] = [("d2h", False), ("h2d", False),
                                                ("d2h", True), ("h2d", True)]
