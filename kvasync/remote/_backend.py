@@ -5,8 +5,8 @@ waits, failures sticking to the transfer that caused them and breaking its direc
 for free when a NIXL transfer is just another copy on a stream:
 
 - a stream is a `HostStream` (one ordered worker thread); a copy on it builds the NIXL
-  descriptor lists of a plan, posts one NIXL request (WRITE for stores, READ for loads) and
-  waits for it by polling `check_xfer_state` with a sleep that grows from 20 us to 1 ms, so
+  descriptor lists of a plan, posts NIXL requests (WRITE for stores, READ for loads) and
+  waits for each by polling `check_xfer_state` with a sleep that grows from 20 us to 1 ms, so
   a waiting stream costs no core; the events are `HostEvent`s, so the completion threads
   sleep in blocking waits as on the host backend;
 - a request that NIXL reports as failed, that outlives `timeout`, or whose pool went away
@@ -15,13 +15,17 @@ for free when a NIXL transfer is just another copy on a stream:
 
 Local memory is the KV tensors (DRAM on the host, VRAM on a GPU), registered with NIXL when
 the offloader registers them; remote memory is the region of a `RemotePool` this backend
-attached to. Descriptors are the plan's coalesced runs: neighbours contiguous on both sides
-(a chunk's consecutive blocks, whole rows of consecutive chunks) are one descriptor.
+attached to. On the host, descriptors are the copy program's runs over the pool's chunk
+rows (`_descriptors.py`): pages are packed into (stores) or unpacked from (loads) a local
+staging buffer of the same rows (`_rows.py`), and each run of rows, or of a partly covered
+row's covered bytes, is one descriptor. CUDA tensors (VRAM), and plans that are not rows,
+post the plan's coalesced descriptors straight from the tensors' pages.
 """
 
 from __future__ import annotations
 
 import base64
+import ctypes
 import logging
 import os
 import socket
@@ -40,7 +44,10 @@ from .._errors import (
     InvalidTransferError,
     TransferFailedError,
 )
+from .._program import kernel_plan
+from ._descriptors import desc_rows, page_descriptors, remote_program, run_descriptors
 from ._nixl import new_agent, parse_address, recv_msg, send_msg
+from ._rows import StagingRows
 
 if TYPE_CHECKING:
     from .._arrays import ArrayInfo
@@ -118,7 +125,7 @@ class NixlBackend(Backend):
 
     def __init__(self, peer: str | tuple[str, int], nbytes: int, align: int = 4096, *,
                  device: str = "cpu", device_id: int = -1, timeout: float = 30.0,
-                 connect_timeout: float = 10.0) -> None:
+                 connect_timeout: float = 10.0, staging_bytes: int = 16 << 20) -> None:
         self.device = device
         self.device_id = max(int(device_id), 0)
         self.timeout = float(timeout)
@@ -127,6 +134,11 @@ class NixlBackend(Backend):
         self._bounds = AddressRanges("the registered memory")
         self._lock = threading.Lock()
         self._closed = False
+        #: NIXL descriptors and requests posted so far (how many runs the transfers became)
+        self.descriptors_posted = 0
+        self.requests_posted = 0
+        self._staging = StagingRows(staging_bytes, self._register_staging,
+                                    self._deregister_staging)
         self.peer_lost = threading.Event()
         self.peer_error = ""
         host, port = parse_address(peer)
@@ -195,6 +207,22 @@ class NixlBackend(Backend):
             self._regs.append(self._agent.register_memory(
                 [(lo, hi - lo, self.device_id if mem == "VRAM" else 0, "")], mem))
 
+    def _register_staging(self, ptr: int, nbytes: int) -> Any:
+        reg = self._agent.register_memory([(ptr, nbytes, 0, "")], "DRAM")
+        self._bounds.add(ptr, ptr + nbytes)
+        return reg
+
+    def _deregister_staging(self, reg: Any) -> None:
+        try:
+            self._agent.deregister_memory(reg)
+        except Exception as exc:
+            log.warning("kvasync: deregistering a staging buffer failed: %s", exc)
+
+    @property
+    def staging_buffers(self) -> int:
+        """Local staging buffers allocated so far (one per transfer running at once)."""
+        return self._staging.count
+
     def alloc_host(self, nbytes: int, row_bytes: int) -> HostMemory:
         raise InvalidTransferError("the remote tier keeps its rows in the pool, not locally")
 
@@ -224,6 +252,11 @@ class NixlBackend(Backend):
         raise InvalidTransferError(
             f"the compute stream must be a torch.cuda.Stream, got {type(override)}")
 
+    def can_signal(self, compute: Stream | None) -> bool:
+        """Whether `compute` can wait on this backend's events (a layer-wise load's
+        per-layer signals): host streams can; a CUDA compute stream cannot."""
+        return not isinstance(compute, _TorchCompute)
+
     # -- copies ----------------------------------------------------------------------------
     def resolve_path(self, path: str, direction: Direction, plan: TransferPlan,
                      host_pinned: bool, urgent: bool = False, other_busy: bool = False,
@@ -242,40 +275,68 @@ class NixlBackend(Backend):
         if any(p.num_descriptors for p in pieces):
             stream.enqueue(self._execute, list(pieces), direction)
 
-    def _descs(self, pieces: list[TransferPlan], direction: Direction) -> tuple[Any, Any]:
-        """(local, remote) NIXL descriptor lists of every piece of a transfer as one list, so
-        a transfer is one NIXL request (the scheduler's pieces bound copy-engine time on a
-        GPU; NIXL splits its own work), bounds-checked."""
-        parts = [p.coalesced() for p in pieces if p.num_descriptors]
-        src, dst, sizes = (np.concatenate(x) for x in zip(*parts))
-        local, remote = (src, dst) if direction == "d2h" else (dst, src)
-        self._bounds.check(local, sizes, "local descriptor")
-        self._remote_bounds.check(remote, sizes, "remote descriptor")
-        n = len(sizes)
-        mem = "VRAM" if self.device == "cuda" else "DRAM"
-        lrows = np.empty((n, 3), dtype=np.uint64)
-        lrows[:, 0], lrows[:, 1], lrows[:, 2] = local, sizes, self.device_id if mem == "VRAM" else 0
-        rrows = np.empty((n, 3), dtype=np.uint64)
-        rrows[:, 0], rrows[:, 1], rrows[:, 2] = remote, sizes, 0
-        return self._agent.get_xfer_descs(lrows, mem), self._agent.get_xfer_descs(rrows, "DRAM")
-
     def _execute(self, pieces: list[TransferPlan], direction: Direction) -> None:
-        """Post the transfer as one NIXL request and wait for it (on a stream thread)."""
+        """Run a transfer on a stream thread: staged through local rows where the plan is
+        rows (one NIXL request per staging buffer's worth of runs), else one request of
+        the plan's own coalesced descriptors."""
         if self.device == "cuda":
             import torch
 
             torch.cuda.set_device(self.device_id)
-        op = "WRITE" if direction == "d2h" else "READ"
         self._live()
-        local, remote = self._descs(pieces, direction)
+        deadline = time.monotonic() + self.timeout
+        program = (remote_program(pieces, direction, self._staging.slab_bytes)
+                   if self.device == "cpu" else None)
+        if program is None:
+            local, remote, sizes = page_descriptors(pieces, direction)
+            self._post(direction, local, remote, sizes, deadline)
+            return
+        table = pieces[0].table
+        buf = self._staging.take()
         try:
-            handle = self._agent.initialize_xfer(op, local, remote, self.peer_name)
+            for i, slab in enumerate(program.slabs):
+                local, remote, sizes = run_descriptors(program, i, buf.ptr)
+                kernel = kernel_plan(program, slab, table, buf.ptr)
+                if direction == "d2h":
+                    self._copy_local(kernel)  # pack the pages into staging rows
+                    self._post(direction, local, remote, sizes, deadline)
+                else:
+                    self._post(direction, local, remote, sizes, deadline)
+                    self._copy_local(kernel)  # unpack the rows into the pages
+        finally:
+            self._staging.give(buf)
+
+    def _copy_local(self, plan: TransferPlan) -> None:
+        """Pack or unpack between the KV tensors and a staging buffer, bounds-checked."""
+        src, dst, sizes = plan.coalesced()
+        self._bounds.check(src, sizes, "local descriptor")
+        self._bounds.check(dst, sizes, "local descriptor")
+        for s, d, n in zip(src.tolist(), dst.tolist(), sizes.tolist()):
+            ctypes.memmove(d, s, n)
+
+    def _post(self, direction: Direction, local: np.ndarray, remote: np.ndarray,
+              sizes: np.ndarray, deadline: float) -> None:
+        """Post one NIXL request of these descriptor lists (bounds-checked) and wait for it."""
+        op = "WRITE" if direction == "d2h" else "READ"
+        self._bounds.check(local, sizes, "local descriptor")
+        self._remote_bounds.check(remote, sizes, "remote descriptor")
+        mem = "VRAM" if self.device == "cuda" else "DRAM"
+        dev = self.device_id if mem == "VRAM" else 0
+        with self._lock:
+            self.descriptors_posted += len(sizes)
+            self.requests_posted += 1
+        self._live()
+        try:
+            handle = self._agent.initialize_xfer(
+                op, self._agent.get_xfer_descs(desc_rows(local, sizes, dev), mem),
+                self._agent.get_xfer_descs(desc_rows(remote, sizes, 0), "DRAM"),
+                self.peer_name)
         except Exception as exc:
             raise TransferFailedError(f"NIXL refused the {op}: {exc}") from exc
         try:
             if self._agent.transfer(handle) == "ERR":
                 raise TransferFailedError(f"NIXL failed to post the {op}")
-            self._wait(handle, op, time.monotonic() + self.timeout)
+            self._wait(handle, op, deadline)
         finally:
             self._release(handle)
 
@@ -316,6 +377,7 @@ class NixlBackend(Backend):
         for s in streams:
             s.close()
         agent = self._agent
+        self._staging.close()
         for reg in self._regs:
             try:
                 agent.deregister_memory(reg)

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from .._arguments import ids_by_keyword
+from .._arguments import check_job_id, ids_by_keyword, layer_spec
 from .._backends import Direction, Stream
 from .._completion import CompletionEngine
 from .._errors import (
@@ -26,12 +26,12 @@ from .._errors import (
     OffloaderClosedError,
     TransferFailedError,
 )
-from .._hostmem import row_offsets
 from .._layout import KVCacheLayout
-from .._program import RefTable, SideGeometry, TransferPlan, build_plan, build_ref_table
+from .._program import RefTable, TransferPlan, build_plan, split_plan
 from .._scheduler import DirectionQueue
-from .._transfer import Transfer
+from .._transfer import LayeredTransfer, Transfer
 from ._backend import NixlBackend
+from ._rows import pool_row_bytes, pool_tables
 
 __all__ = ["RemoteOffloader"]
 
@@ -48,6 +48,8 @@ class RemoteOffloader:
     that the pool's end interrupts fails with `TransferFailedError`, and its direction then
     refuses new work. The rows stay the pool's until `close()` (or this process's end).
     On the host the tensors are NumPy/CPU arrays (DRAM); torch CUDA tensors move as VRAM.
+    Host transfers go through local staging buffers of `staging_bytes` in the pool's row
+    layout, so NIXL moves runs of rows, not pages (one buffer per transfer running at once).
     """
 
     def __init__(
@@ -62,12 +64,14 @@ class RemoteOffloader:
         max_streams: int = 4,
         completion: str = "hybrid",
         timeout: float = 30.0,
+        staging_bytes: int = 16 << 20,
     ) -> None:
         if not isinstance(layout, KVCacheLayout):
             raise InvalidTransferError(f"layout must be a KVCacheLayout, got {type(layout)}")
         for name, value, low in (("num_cpu_chunks", num_cpu_chunks, 1),
                                  ("blocks_per_chunk", blocks_per_chunk, 1),
-                                 ("max_streams", max_streams, 1)):
+                                 ("max_streams", max_streams, 1),
+                                 ("staging_bytes", staging_bytes, 1)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
                 raise InvalidTransferError(f"{name} must be an int >= {low}, got {value!r}")
         if not isinstance(timeout, (int, float)) or not timeout > 0:
@@ -79,13 +83,10 @@ class RemoteOffloader:
         first = layout.tensors[0].info
         if first.device not in ("cpu", "cuda"):
             raise InvalidTransferError(f"unsupported tensor device {first.device!r}")
-        canon = layout.canonical_bytes_per_block() if self.canonical else None
-        sub = canon if canon is not None else [t.page for t in layout.tensors]
-        pages = [s * self.blocks_per_chunk for s in sub]
-        offsets, self.row_bytes = row_offsets(layout, pages)
+        self.row_bytes = pool_row_bytes(layout, self.blocks_per_chunk, self.canonical)
         self.backend = NixlBackend(peer, self.num_cpu_chunks * self.row_bytes, 4096,
                                    device=first.device, device_id=first.device_id,
-                                   timeout=float(timeout))
+                                   timeout=float(timeout), staging_bytes=int(staging_bytes))
         try:
             for i, t in enumerate(layout.tensors):
                 self.backend.check_device_array(t.info, f"KV tensor {i}")
@@ -95,26 +96,9 @@ class RemoteOffloader:
         except BaseException:
             self.backend.close()
             raise
-        base = self.backend.remote_base
-        gpu_geo = SideGeometry(
-            base=[t.info.ptr for t in layout.tensors],
-            row_stride=[t.info.row_stride if t.num_blocks > 1 else t.info.row_bytes
-                        for t in layout.tensors],
-            sub_stride=[0] * len(layout.tensors),
-            num_rows=[t.num_blocks for t in layout.tensors],
-            factor=1,
-        )
-        host_geo = SideGeometry(
-            base=[base + off for off in offsets],
-            row_stride=[self.row_bytes] * len(offsets),
-            sub_stride=list(sub),
-            num_rows=[self.num_cpu_chunks] * len(offsets),
-            factor=self.blocks_per_chunk,
-        )
-        self._tables: dict[Direction, RefTable] = {
-            "d2h": build_ref_table(layout, gpu_geo, host_geo, True, self.canonical),
-            "h2d": build_ref_table(layout, gpu_geo, host_geo, False, self.canonical),
-        }
+        self._tables: dict[Direction, RefTable] = pool_tables(
+            layout, self.num_cpu_chunks, self.blocks_per_chunk, self.canonical,
+            self.backend.remote_base)
         self._engine = CompletionEngine(completion)
         lanes: list[tuple[Direction, bool]] = [("d2h", False), ("h2d", False),
                                                ("d2h", True), ("h2d", True)]
@@ -162,6 +146,48 @@ class RemoteOffloader:
         return self._submit("h2d", gpu_blocks, cpu_chunks, group_sizes, block_indices,
                             job_id, stream, urgent)
 
+    @ids_by_keyword("load_layerwise(cpu_chunks=[...], gpu_blocks=[...])")
+    def load_layerwise(self, *, cpu_chunks: Ids, gpu_blocks: Ids,
+                       group_sizes: Sequence[int] | None = None,
+                       block_indices: Sequence[int] | None = None,
+                       layers: Sequence[Sequence[int]] | None = None,
+                       job_id: int | None = None, stream: Any | None = None,
+                       urgent: bool = False) -> LayeredTransfer:
+        """A load split per layer, as `Offloader.load_layerwise`: `t.layers[i]` is layer i's
+        Transfer (layers land in order, one lane) and `t.wait_layer(i, stream)` makes a
+        host compute stream (`HostStream`) wait until layer i has landed.
+
+        A CUDA compute stream cannot wait on a remote layer (NIXL completes on the host, not
+        as a device event): on CUDA tensors, unless `stream` (or the offloader's
+        `compute_stream`) is a `HostStream`, this raises `InvalidTransferError` before
+        anything is enqueued; await the layers instead, or use `load()`."""
+        spec = layer_spec(layers, len(self.layout.tensors))
+        if self._closed:
+            raise OffloaderClosedError("the remote offloader is closed")
+        self.layout._guard.check()
+        plan = build_plan(self._tables["h2d"], gpu_blocks, cpu_chunks, group_sizes,
+                          block_indices, False, self.num_cpu_chunks, True)
+        parts = split_plan(plan, spec)
+        check_job_id(job_id)
+        compute = self.backend.compute_stream(
+            stream if stream is not None else self._compute_override)
+        if not self.backend.can_signal(compute):
+            raise InvalidTransferError(
+                "load_layerwise: a CUDA compute stream cannot wait per layer on the remote "
+                "tier (NIXL completes transfers on the host, with no device event to wait "
+                "on); await t.layers[i] on the host, pass a kvasync HostStream as stream=, "
+                "or use load()")
+        if self.backend.peer_lost.is_set() and not self._closed:
+            raise OffloaderBrokenError(self.backend.peer_error, job_id)
+        if job_id is None:
+            with self._submit_lock:
+                job_id = next(self._job_ids)
+        signals = [self.backend.new_event(timing=False) for _ in parts]
+        queue = self._queues[("h2d", bool(urgent))]
+        transfers = [queue.submit(part, job_id, "nixl", compute, signal)
+                     for part, signal in zip(parts, signals)]
+        return LayeredTransfer(job_id, transfers, signals, self.backend)
+
     def _submit(self, direction: Direction, gpu_blocks: Ids, cpu_chunks: Ids,
                 group_sizes: Sequence[int] | None, block_indices: Sequence[int] | None,
                 job_id: int | None, stream: Any | None, urgent: bool) -> Transfer:
@@ -174,8 +200,7 @@ class RemoteOffloader:
 
     def _enqueue(self, direction: Direction, plan: TransferPlan, job_id: int | None,
                  stream: Any | None, urgent: bool = False) -> Transfer:
-        if job_id is not None and (isinstance(job_id, bool) or not isinstance(job_id, int)):
-            raise InvalidTransferError(f"job_id must be an int, got {job_id!r}")
+        check_job_id(job_id)
         compute: Stream | None = self.backend.compute_stream(
             stream if stream is not None else self._compute_override)
         if self.backend.peer_lost.is_set() and not self._closed:

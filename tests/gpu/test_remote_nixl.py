@@ -83,3 +83,63 @@ async def test_many_awaiters_fifo_from_vram() -> None:
             for t in kvs:
                 assert bool((t[100] == t[31]).all())
             assert np.isfinite(got[-1].seconds)
+
+
+@pytest.mark.asyncio
+async def test_vram_transfers_post_the_pages_own_descriptors() -> None:
+    """VRAM moves straight from the tensors' pages (no local staging rows on CUDA): one NIXL
+    request per transfer, no staging buffer allocated."""
+    from kvasync.remote import RemoteOffloader
+
+    kvs = _tensors(4, 64, 16384)
+    with pool_process(256 << 20) as pool:
+        async with RemoteOffloader(kv.KVCacheLayout.from_tensors(kvs), 32,
+                                   peer=pool.address) as off:
+            await off.store(gpu_blocks=[1, 5, 9], cpu_chunks=[0, 1, 2])
+            assert off.backend.requests_posted == 1
+            assert off.backend.staging_buffers == 0
+
+
+def test_layerwise_refuses_a_cuda_compute_stream_before_enqueue() -> None:
+    from kvasync.remote import RemoteOffloader
+
+    kvs = _tensors(4, 64, 4096)
+    with pool_process(256 << 20) as pool, RemoteOffloader(
+            kv.KVCacheLayout.from_tensors(kvs), 32, peer=pool.address) as off:
+        with pytest.raises(kv.InvalidTransferError, match="CUDA compute stream"):
+            off.load_layerwise(cpu_chunks=[0], gpu_blocks=[0])
+        assert all(q.last_transfer is None for q in off._queues.values())
+        assert off.backend.requests_posted == 0
+
+
+@pytest.mark.asyncio
+async def test_layerwise_into_vram_with_a_host_compute_stream() -> None:
+    """With a kvasync HostStream as the compute stream, layers land in VRAM in order."""
+    from kvasync._backends._host import HostStream
+    from kvasync.remote import RemoteOffloader
+
+    kvs = _tensors(4, 64, 4096)
+    want = [t.clone() for t in kvs]
+    compute = HostStream(name="remote-gpu-layers")
+    with pool_process(256 << 20) as pool:
+        async with RemoteOffloader(kv.KVCacheLayout.from_tensors(kvs), 32,
+                                   peer=pool.address) as off:
+            blocks, chunks = [2, 3, 40], [7, 8, 9]
+            await off.store(gpu_blocks=blocks, cpu_chunks=chunks)
+            for t in kvs:
+                t[blocks] = 0
+            torch_sync()
+            lt = off.load_layerwise(cpu_chunks=chunks, gpu_blocks=blocks,
+                                    layers=[[2, 3], [0, 1]], stream=compute)
+            r = await lt
+            assert r.bytes == 3 * 4 * 4096
+            assert [t.done() for t in lt.layers] == [True, True]
+            for t, w in zip(kvs, want):
+                assert bool((t == w).all())
+    compute.close()
+
+
+def torch_sync() -> None:
+    import torch
+
+    torch.cuda.synchronize()
