@@ -87,11 +87,3 @@ class Lanes:
     def drain_sync(self, timeout: float | None = None) -> bool:
         """Block until every lane is idle; False on timeout."""
         return all(q.drain(timeout) for q in self.queues.values())
-
-    @property
-    def completion_threads(self) -> int:
-        return sum(q.thread_alive for q in self.queues.values())
-
-    @property
-    def inflight(self) -> int:
-        return sum(q.inflight for q in self.queues.values())

@@ -30,7 +30,7 @@ from ._offloader_setup import host_geometry, open_backend
 from ._program import Ids, RefTable, TransferPlan
 from ._stats import OffloaderStats, collect
 from ._submitter import Submitter
-from ._threadstate import completing_here, refuse_blocking_wait
+from ._threadstate import refuse_blocking_wait
 from ._transfer import LayeredTransfer, Transfer
 
 __all__ = ["Offloader"]
@@ -64,20 +64,11 @@ class Offloader:
     """
 
     def __init__(
-        self,
-        layout: KVCacheLayout,
-        num_cpu_chunks: int | None = None,
-        blocks_per_chunk: int = 1,
-        backend: str | Backend = "auto",
-        *,
-        cpu_bytes: int | None = None,
-        copy_path: str = "auto",
-        canonical: bool = False,
-        host_region: Any | None = None,
-        compute_stream: Any | None = None,
-        max_streams: int = 4,
-        completion: str = "hybrid",
-        staging_bytes: int | None = None,
+        self, layout: KVCacheLayout, num_cpu_chunks: int | None = None,
+        blocks_per_chunk: int = 1, backend: str | Backend = "auto", *,
+        cpu_bytes: int | None = None, copy_path: str = "auto", canonical: bool = False,
+        host_region: Any | None = None, compute_stream: Any | None = None,
+        max_streams: int = 4, completion: str = "hybrid", staging_bytes: int | None = None,
         host_tensors: Sequence[Any] | None = None,
     ) -> None:
         sub, self.num_cpu_chunks = host_geometry(
@@ -150,16 +141,9 @@ class Offloader:
 
     @ids_by_keyword("store(gpu_blocks=[...], cpu_chunks=[...])")
     def store(
-        self,
-        *,
-        gpu_blocks: Ids,
-        cpu_chunks: Ids,
-        group_sizes: Sequence[int] | None = None,
-        block_indices: Sequence[int] | None = None,
-        job_id: int | None = None,
-        stream: Any | None = None,
-        path: str | None = None,
-        urgent: bool = False,
+        self, *, gpu_blocks: Ids, cpu_chunks: Ids, group_sizes: Sequence[int] | None = None,
+        block_indices: Sequence[int] | None = None, job_id: int | None = None,
+        stream: Any | None = None, path: str | None = None, urgent: bool = False,
     ) -> Transfer:
         """Copy GPU blocks into CPU chunks; returns the submitted Transfer (GPU -> host).
 
@@ -170,42 +154,28 @@ class Offloader:
         transfers (and the compute stream) but not after normal ones, so it is not stuck
         behind a large normal transfer; normal transfers stay FIFO among themselves.
         """
-        return self._submit("d2h", gpu_blocks, cpu_chunks, group_sizes, block_indices,
-                            job_id, stream, path, urgent)
+        plan = self._submitter.plan("d2h", gpu_blocks, cpu_chunks, group_sizes, block_indices)
+        return self._enqueue("d2h", plan, job_id, stream, path, urgent)
 
     @ids_by_keyword("load(cpu_chunks=[...], gpu_blocks=[...])")
     def load(
-        self,
-        *,
-        cpu_chunks: Ids,
-        gpu_blocks: Ids,
-        group_sizes: Sequence[int] | None = None,
-        block_indices: Sequence[int] | None = None,
-        job_id: int | None = None,
-        stream: Any | None = None,
-        path: str | None = None,
-        urgent: bool = False,
+        self, *, cpu_chunks: Ids, gpu_blocks: Ids, group_sizes: Sequence[int] | None = None,
+        block_indices: Sequence[int] | None = None, job_id: int | None = None,
+        stream: Any | None = None, path: str | None = None, urgent: bool = False,
     ) -> Transfer:
         """Copy CPU chunks into GPU blocks; returns the submitted Transfer (host -> GPU).
 
         Arguments as for `store`.
         """
-        return self._submit("h2d", gpu_blocks, cpu_chunks, group_sizes, block_indices,
-                            job_id, stream, path, urgent)
+        plan = self._submitter.plan("h2d", gpu_blocks, cpu_chunks, group_sizes, block_indices)
+        return self._enqueue("h2d", plan, job_id, stream, path, urgent)
 
     @ids_by_keyword("load_layerwise(cpu_chunks=[...], gpu_blocks=[...])")
     def load_layerwise(
-        self,
-        *,
-        cpu_chunks: Ids,
-        gpu_blocks: Ids,
-        group_sizes: Sequence[int] | None = None,
+        self, *, cpu_chunks: Ids, gpu_blocks: Ids, group_sizes: Sequence[int] | None = None,
         block_indices: Sequence[int] | None = None,
-        layers: Sequence[Sequence[int]] | None = None,
-        job_id: int | None = None,
-        stream: Any | None = None,
-        path: str | None = None,
-        urgent: bool = False,
+        layers: Sequence[Sequence[int]] | None = None, job_id: int | None = None,
+        stream: Any | None = None, path: str | None = None, urgent: bool = False,
     ) -> LayeredTransfer:
         """A load split per layer: each layer is awaitable and signals a device event.
 
@@ -220,14 +190,6 @@ class Offloader:
                                     chosen)
         return self._submitter.load_layers(plan, spec, job_id, stream, self._compute_override,
                                            chosen, urgent, self.BOTH_WAYS_MEMORY)
-
-    def _submit(self, direction: Direction, gpu_blocks: Ids, cpu_chunks: Ids,
-                group_sizes: Sequence[int] | None, block_indices: Sequence[int] | None,
-                job_id: int | None, stream: Any | None, path: str | None,
-                urgent: bool = False) -> Transfer:
-        plan = self._submitter.plan(direction, gpu_blocks, cpu_chunks, group_sizes,
-                                    block_indices)
-        return self._enqueue(direction, plan, job_id, stream, path, urgent)
 
     def _enqueue(self, direction: Direction, plan: TransferPlan, job_id: int | None,
                  stream: Any | None, path: str | None, urgent: bool = False,
@@ -284,16 +246,7 @@ class Offloader:
         task is cancelled, the release still follows the last transfer in flight. Inside a
         done-callback (a loop run there) it is `close()`: it does not wait."""
         self._submitter.closed = True
-        if completing_here():
-            self.close()
-            return
-        self._life.begin()
-        try:
-            await self.drain()
-        except BaseException:
-            self._life.try_release()
-            raise
-        self.close()
+        await self._life.aclose(self.drain)
 
     async def __aenter__(self) -> Offloader:
         return self
@@ -323,10 +276,4 @@ class Offloader:
 
     def _resources(self) -> dict[str, int]:
         """Live threads, tasks and host bytes (for tests that count what close releases)."""
-        return {
-            "completion_threads": self._lanes.completion_threads,
-            "resolver_tasks": self._engine.num_tasks,
-            "stream_threads": int(getattr(self.backend, "live_threads", 0)),
-            "host_bytes": sum(m.nbytes for m in self._host_mem if m._release is not None),
-            "inflight": self._lanes.inflight,
-        }
+        return self._life.resources()

@@ -70,18 +70,9 @@ class SharedHostRegion:
     remove_stale = staticmethod(remove_stale)
 
     def __init__(
-        self,
-        name: str,
-        num_rows: int,
-        row_stride: int,
-        rank: int | None,
-        world_size: int,
-        *,
-        barrier: Callable[[], object] | None = None,
-        timeout: float = 30.0,
-        directory: str = "/dev/shm",
-        populate: Populate = True,
-        keep_file: bool = False,
+        self, name: str, num_rows: int, row_stride: int, rank: int | None, world_size: int, *,
+        barrier: Callable[[], object] | None = None, timeout: float = 30.0,
+        directory: str = "/dev/shm", populate: Populate = True, keep_file: bool = False,
         pin_barrier: Callable[[], object] | None = None,
     ) -> None:
         self._lock = threading.Lock()
@@ -171,12 +162,8 @@ class SharedHostRegion:
 
     # -- pinning -------------------------------------------------------------------------------
     def pin(
-        self,
-        register: Register,
-        unregister: Unregister,
-        cap: int = MAX_REGISTER_CHUNK_BYTES,
-        *,
-        barrier: Callable[[], object] | None = None,
+        self, register: Register, unregister: Unregister, cap: int = MAX_REGISTER_CHUNK_BYTES,
+        *, barrier: Callable[[], object] | None = None,
     ) -> bool:
         """Page-lock the region in row-aligned chunks of at most `cap` bytes.
 
