@@ -24,6 +24,7 @@ from ._completion import CompletionEngine
 from ._errors import OffloaderClosedError
 from ._hostside import build_host_side
 from ._lanes import Lanes
+from ._layered_transfer import LayeredTransfer
 from ._layout import KVCacheLayout
 from ._lifecycle import Lifecycle
 from ._offloader_setup import host_geometry, open_backend
@@ -31,7 +32,7 @@ from ._program import Ids, RefTable, TransferPlan
 from ._stats import OffloaderStats, collect
 from ._submitter import Submitter
 from ._threadstate import refuse_blocking_wait
-from ._transfer import LayeredTransfer, Transfer
+from ._transfer import Transfer
 
 __all__ = ["Offloader"]
 

@@ -19,9 +19,10 @@ from ._arguments import check_job_id
 from ._backends import Backend, Direction, Stream
 from ._errors import InvalidTransferError, OffloaderClosedError
 from ._lanes import Lanes
+from ._layered_transfer import LayeredTransfer
 from ._layout import KVCacheLayout
 from ._program import Ids, RefTable, TransferPlan, build_plan, split_plan
-from ._transfer import LayeredTransfer, Transfer
+from ._transfer import Transfer
 
 __all__ = ["Submitter"]
 
