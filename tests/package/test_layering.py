@@ -2,7 +2,7 @@
 
 Imports are read from the source (module level, inside functions and under
 `TYPE_CHECKING` alike: each is a dependency a reader must follow), so a cycle cannot hide
-behind a lazy import. `python tests/test_layering.py` prints the cycles and the longest
+behind a lazy import. `python tests/package/test_layering.py` prints the cycles and the longest
 modules without running pytest.
 """
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = "kvasync"
 #: no module of kvasync may grow past this many lines (split it into a new private module)
 MAX_LINES = 450
