@@ -21,12 +21,13 @@ from ._errors import (
     SharedRegionTimeoutError,
     TransferFailedError,
 )
+from ._layered_transfer import LayeredTransfer
 from ._layout import CopyRun, KVCacheLayout, KVRef, KVTensor, PageMapping
 from ._mappings import derive_page_mapping, mla_page_mapping, private_page_mapping, verify_tiling
 from ._offloader import Offloader
 from ._region import SharedHostRegion
 from ._stats import Distribution, LaneStats, OffloaderStats, PathStats
-from ._transfer import LayeredTransfer, Progress, Transfer, TransferResult
+from ._transfer import Progress, Transfer, TransferResult
 
 __version__ = "0.1.0"
 

@@ -32,6 +32,7 @@ import logging
 import threading
 import time
 import warnings
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from ._threadstate import completing_here
@@ -128,6 +129,19 @@ class Lifecycle:
             self._release(join=True)
         self._join_threads()
 
+    async def aclose(self, drain: Callable[[], Awaitable[None]]) -> None:
+        """`drain()` then `close()`; see `Offloader.aclose` for the contract."""
+        if completing_here():
+            self.close()
+            return
+        self.begin()
+        try:
+            await drain()
+        except BaseException:
+            self.try_release()
+            raise
+        self.close()
+
     def _drain(self, timeout: float | None) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout
         for q in self.queues:
@@ -183,6 +197,16 @@ class Lifecycle:
     def _join_threads(self) -> None:
         for q in self.queues:
             q.join_thread(self.JOIN_TIMEOUT)
+
+    def resources(self) -> dict[str, int]:
+        """Live threads, tasks and host bytes (for tests that count what close releases)."""
+        return {
+            "completion_threads": sum(q.thread_alive for q in self.queues),
+            "resolver_tasks": self.engine.num_tasks,
+            "stream_threads": int(getattr(self.backend, "live_threads", 0)),
+            "host_bytes": sum(m.nbytes for m in self.host_mem if m._release is not None),
+            "inflight": sum(q.inflight for q in self.queues),
+        }
 
     # -- garbage collection -------------------------------------------------------------------
     def collected(self, what: str) -> None:

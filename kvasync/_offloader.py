@@ -11,38 +11,28 @@ queue is touched, so a bad call raises and leaves no trace.
 
 from __future__ import annotations
 
-import itertools
 import logging
-import threading
-import time
 import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from ._arguments import (
-    check_job_id,
-    check_sizes,
-    check_staging_bytes,
-    chunks_for,
-    host_chunks,
-    ids_by_keyword,
-    layer_spec,
-    pick_backend,
-)
-from ._backends import Backend, Direction, HostMemory, Stream, load_backend
+from ._arguments import ids_by_keyword, layer_spec
+from ._backends import Backend, Direction, HostMemory
 from ._completion import CompletionEngine
-from ._errors import InvalidTransferError, OffloaderClosedError, TransferFailedError
-from ._hostmem import row_offsets
+from ._errors import OffloaderClosedError
 from ._hostside import build_host_side
+from ._lanes import Lanes
+from ._layered_transfer import LayeredTransfer
 from ._layout import KVCacheLayout
 from ._lifecycle import Lifecycle
-from ._program import Ids, RefTable, TransferPlan, build_plan, split_plan
-from ._scheduler import DirectionQueue
+from ._offloader_setup import host_geometry, open_backend
+from ._program import Ids, RefTable, TransferPlan
 from ._stats import OffloaderStats, collect
-from ._threadstate import completing_here, refuse_blocking_wait
-from ._transfer import LayeredTransfer, Transfer
+from ._submitter import Submitter
+from ._threadstate import refuse_blocking_wait
+from ._transfer import Transfer
 
 __all__ = ["Offloader"]
 
@@ -75,58 +65,24 @@ class Offloader:
     """
 
     def __init__(
-        self,
-        layout: KVCacheLayout,
-        num_cpu_chunks: int | None = None,
-        blocks_per_chunk: int = 1,
-        backend: str | Backend = "auto",
-        *,
-        cpu_bytes: int | None = None,
-        copy_path: str = "auto",
-        canonical: bool = False,
-        host_region: Any | None = None,
-        compute_stream: Any | None = None,
-        max_streams: int = 4,
-        completion: str = "hybrid",
-        staging_bytes: int | None = None,
+        self, layout: KVCacheLayout, num_cpu_chunks: int | None = None,
+        blocks_per_chunk: int = 1, backend: str | Backend = "auto", *,
+        cpu_bytes: int | None = None, copy_path: str = "auto", canonical: bool = False,
+        host_region: Any | None = None, compute_stream: Any | None = None,
+        max_streams: int = 4, completion: str = "hybrid", staging_bytes: int | None = None,
         host_tensors: Sequence[Any] | None = None,
     ) -> None:
-        if not isinstance(layout, KVCacheLayout):
-            raise InvalidTransferError(f"layout must be a KVCacheLayout, got {type(layout)}")
-        num_cpu_chunks = host_chunks(host_tensors, host_region, num_cpu_chunks, cpu_bytes,
-                                     copy_path)
-        check_sizes(num_cpu_chunks, cpu_bytes, blocks_per_chunk, max_streams,
-                    layout._guard.check)  # its tensors still own the memory the layout read
+        sub, self.num_cpu_chunks = host_geometry(
+            layout, num_cpu_chunks, blocks_per_chunk, cpu_bytes, bool(canonical), max_streams,
+            copy_path, host_region, host_tensors)
         self.layout = layout
         self.blocks_per_chunk = int(blocks_per_chunk)
         self.canonical = bool(canonical)
-        canon_sizes = layout.canonical_bytes_per_block() if self.canonical else None
-        sizes = canon_sizes if canon_sizes is not None else [t.page for t in layout.tensors]
-        row = row_offsets(layout, [s * self.blocks_per_chunk for s in sizes])[1]
-        self.num_cpu_chunks = chunks_for(num_cpu_chunks, cpu_bytes, row, len(sizes),
-                                         self.blocks_per_chunk)
-        first = layout.tensors[0].info
-        if isinstance(backend, Backend):
-            self.backend = backend
-        else:
-            self.backend = load_backend(pick_backend(backend, layout.device),
-                                        tensor_kind=first.kind, device_id=first.device_id)
-        staging = check_staging_bytes(staging_bytes)
-        if staging is not None and hasattr(self.backend, "staging_bytes"):
-            self.backend.staging_bytes = int(staging)
-        if copy_path != "auto" and copy_path not in self.backend.paths:
-            raise InvalidTransferError(
-                f"copy_path {copy_path!r} is not one of {('auto', *self.backend.paths)}"
-            )
+        self.backend = open_backend(layout, backend, staging_bytes, copy_path, compute_stream)
         self.copy_path = copy_path
-        for i, t in enumerate(layout.tensors):
-            self.backend.check_device_array(t.info, f"KV tensor {i}")
-            self.backend.register_array(t.info)
         self._compute_override = compute_stream
-        self.backend.compute_stream(compute_stream)  # validate early
 
         # host side: memory or region views, pinning, geometry, ref tables
-        sub = canon_sizes if canon_sizes is not None else [t.page for t in layout.tensors]
         self._region = host_region
         host = build_host_side(layout, self.backend, sub, self.num_cpu_chunks,
                                self.blocks_per_chunk, self.canonical, host_region, host_tensors)
@@ -136,17 +92,10 @@ class Offloader:
         self.host_pinned = host.pinned
         self._tables: dict[Direction, RefTable] = host.tables
         self._engine = CompletionEngine(completion)
-        self._both_ways_at = -1e9  # perf_counter of the last submission that saw both busy
-        lanes: list[tuple[Direction, bool]] = [
-            ("d2h", False), ("h2d", False), ("d2h", True), ("h2d", True)
-        ]
-        self._queues: dict[tuple[Direction, bool], DirectionQueue] = {
-            lane: DirectionQueue(self.backend, lane[0], self._engine, max_streams, lane[1])
-            for lane in lanes
-        }
-        self._job_ids = itertools.count()
-        self._submit_lock = threading.Lock()
-        self._closed = False
+        self._lanes = Lanes(self.backend, self._engine, max_streams)
+        self._queues = self._lanes.queues
+        self._submitter = Submitter(layout, self.backend, self._tables, self.num_cpu_chunks,
+                                    self.host_pinned, self._lanes)
         # what close() releases; it holds no reference back, so an offloader dropped
         # without close() is collected, and the finalizer releases the rest
         self._life = Lifecycle(list(self._queues.values()), self._engine, self.backend,
@@ -161,7 +110,7 @@ class Offloader:
         Their memory is released by `close()`; a view still held after that keeps its pages
         mapped until it is collected, so it never dangles.
         """
-        if self._closed:
+        if self._submitter.closed:
             raise OffloaderClosedError("the offloader is closed; its host memory is released")
         return list(self._cpu_views)
 
@@ -179,12 +128,12 @@ class Offloader:
 
     @property
     def closed(self) -> bool:
-        return self._closed
+        return self._submitter.closed
 
     @property
     def broken(self) -> bool:
         """True once a transfer failed; the failed direction refuses new transfers."""
-        return any(q.failure is not None for q in self._queues.values())
+        return self._lanes.broken
 
     def stats(self) -> OffloaderStats:
         """A frozen snapshot of every lane's counters and timings by copy path, in flight and
@@ -193,16 +142,9 @@ class Offloader:
 
     @ids_by_keyword("store(gpu_blocks=[...], cpu_chunks=[...])")
     def store(
-        self,
-        *,
-        gpu_blocks: Ids,
-        cpu_chunks: Ids,
-        group_sizes: Sequence[int] | None = None,
-        block_indices: Sequence[int] | None = None,
-        job_id: int | None = None,
-        stream: Any | None = None,
-        path: str | None = None,
-        urgent: bool = False,
+        self, *, gpu_blocks: Ids, cpu_chunks: Ids, group_sizes: Sequence[int] | None = None,
+        block_indices: Sequence[int] | None = None, job_id: int | None = None,
+        stream: Any | None = None, path: str | None = None, urgent: bool = False,
     ) -> Transfer:
         """Copy GPU blocks into CPU chunks; returns the submitted Transfer (GPU -> host).
 
@@ -213,42 +155,28 @@ class Offloader:
         transfers (and the compute stream) but not after normal ones, so it is not stuck
         behind a large normal transfer; normal transfers stay FIFO among themselves.
         """
-        return self._submit("d2h", gpu_blocks, cpu_chunks, group_sizes, block_indices,
-                            job_id, stream, path, urgent)
+        plan = self._submitter.plan("d2h", gpu_blocks, cpu_chunks, group_sizes, block_indices)
+        return self._enqueue("d2h", plan, job_id, stream, path, urgent)
 
     @ids_by_keyword("load(cpu_chunks=[...], gpu_blocks=[...])")
     def load(
-        self,
-        *,
-        cpu_chunks: Ids,
-        gpu_blocks: Ids,
-        group_sizes: Sequence[int] | None = None,
-        block_indices: Sequence[int] | None = None,
-        job_id: int | None = None,
-        stream: Any | None = None,
-        path: str | None = None,
-        urgent: bool = False,
+        self, *, cpu_chunks: Ids, gpu_blocks: Ids, group_sizes: Sequence[int] | None = None,
+        block_indices: Sequence[int] | None = None, job_id: int | None = None,
+        stream: Any | None = None, path: str | None = None, urgent: bool = False,
     ) -> Transfer:
         """Copy CPU chunks into GPU blocks; returns the submitted Transfer (host -> GPU).
 
         Arguments as for `store`.
         """
-        return self._submit("h2d", gpu_blocks, cpu_chunks, group_sizes, block_indices,
-                            job_id, stream, path, urgent)
+        plan = self._submitter.plan("h2d", gpu_blocks, cpu_chunks, group_sizes, block_indices)
+        return self._enqueue("h2d", plan, job_id, stream, path, urgent)
 
     @ids_by_keyword("load_layerwise(cpu_chunks=[...], gpu_blocks=[...])")
     def load_layerwise(
-        self,
-        *,
-        cpu_chunks: Ids,
-        gpu_blocks: Ids,
-        group_sizes: Sequence[int] | None = None,
+        self, *, cpu_chunks: Ids, gpu_blocks: Ids, group_sizes: Sequence[int] | None = None,
         block_indices: Sequence[int] | None = None,
-        layers: Sequence[Sequence[int]] | None = None,
-        job_id: int | None = None,
-        stream: Any | None = None,
-        path: str | None = None,
-        urgent: bool = False,
+        layers: Sequence[Sequence[int]] | None = None, job_id: int | None = None,
+        stream: Any | None = None, path: str | None = None, urgent: bool = False,
     ) -> LayeredTransfer:
         """A load split per layer: each layer is awaitable and signals a device event.
 
@@ -258,91 +186,18 @@ class Offloader:
         device, without blocking the host) until layer i has landed.
         """
         spec = layer_spec(layers, len(self.layout.tensors))
-        if self._closed:
-            raise OffloaderClosedError("the offloader is closed")
-        self._path(path)
-        self.layout._guard.check()
-        plan = build_plan(self._tables["h2d"], gpu_blocks, cpu_chunks, group_sizes,
-                          block_indices, False, self.num_cpu_chunks,
-                          self.backend.reads_plan_later)
-        parts = split_plan(plan, spec)
-        check_job_id(job_id)  # both before an id is drawn: a refused call uses none
-        stream = self.backend.compute_stream(
-            stream if stream is not None else self._compute_override)  # once for every layer
-        jid = job_id if job_id is not None else next(self._job_ids)
-        signals = [self.backend.new_event(timing=False) for _ in parts]
-        transfers = [
-            self._enqueue("h2d", part, jid, stream, path, urgent, signal)
-            for part, signal in zip(parts, signals)
-        ]
-        return LayeredTransfer(jid, transfers, signals, self.backend)
-
-    def _path(self, path: str | None) -> str:
-        """The copy path a call asked for (default: the offloader's), validated."""
         chosen = self.copy_path if path is None else path
-        if chosen != "auto" and chosen not in self.backend.paths:
-            raise InvalidTransferError(
-                f"path {chosen!r} is not one of {('auto', *self.backend.paths)}"
-            )
-        return chosen
+        plan = self._submitter.plan("h2d", gpu_blocks, cpu_chunks, group_sizes, block_indices,
+                                    chosen)
+        return self._submitter.load_layers(plan, spec, job_id, stream, self._compute_override,
+                                           chosen, urgent, self.BOTH_WAYS_MEMORY)
 
-    def _submit(
-        self,
-        direction: Direction,
-        gpu_blocks: Ids,
-        cpu_chunks: Ids,
-        group_sizes: Sequence[int] | None,
-        block_indices: Sequence[int] | None,
-        job_id: int | None,
-        stream: Any | None,
-        path: str | None,
-        urgent: bool = False,
-    ) -> Transfer:
-        if self._closed:
-            raise OffloaderClosedError("the offloader is closed")
-        self.layout._guard.check()  # no copy into memory a tensor gave up (resize_, set_)
-        plan = build_plan(
-            self._tables[direction],
-            gpu_blocks,
-            cpu_chunks,
-            group_sizes,
-            block_indices,
-            direction == "d2h",
-            self.num_cpu_chunks,
-            self.backend.reads_plan_later,
-        )
-        return self._enqueue(direction, plan, job_id, stream, path, urgent)
-
-    def _enqueue(
-        self,
-        direction: Direction,
-        plan: TransferPlan,
-        job_id: int | None,
-        stream: Any | None,
-        path: str | None,
-        urgent: bool = False,
-        signal: Any | None = None,
-    ) -> Transfer:
-        chosen = self._path(path)
-        check_job_id(job_id)
-        compute: Stream | None = self.backend.compute_stream(
-            stream if stream is not None else self._compute_override
-        )
-        concrete = self.backend.resolve_path(chosen, direction, plan, self.host_pinned,
-                                             urgent=urgent, other_busy=self._both_ways(direction),
-                                             layered=signal is not None)
-        if self._closed:
-            raise OffloaderClosedError("the offloader is closed")
-        # only the job id is drawn under the offloader-wide lock; ordering within a lane is
-        # the lane's own lock, so a big store never holds up a load's submission
-        if job_id is None:
-            with self._submit_lock:
-                jid = next(self._job_ids)
-        else:
-            jid = job_id
-        lane = (direction, bool(urgent))
-        transfer = self._queues[lane].submit(plan, jid, concrete, compute, signal)
-        return transfer
+    def _enqueue(self, direction: Direction, plan: TransferPlan, job_id: int | None,
+                 stream: Any | None, path: str | None, urgent: bool = False,
+                 signal: Any | None = None) -> Transfer:
+        return self._submitter.enqueue(direction, plan, job_id, stream, self._compute_override,
+                                       self.copy_path if path is None else path, urgent,
+                                       signal, self.BOTH_WAYS_MEMORY)
 
     #: seconds a sighting of both directions busy at once counts: a caller that submits a
     #: store and then a load, then waits for both, finds the other direction idle at every
@@ -353,12 +208,7 @@ class Offloader:
     def _both_ways(self, direction: Direction) -> bool:
         """Whether the other direction has transfers in flight, or had at a submission in
         the last `BOTH_WAYS_MEMORY` seconds (its count is read without its lock: a hint)."""
-        other = self._queues[("h2d" if direction == "d2h" else "d2h", False)]
-        now = time.perf_counter()
-        if other.inflight > 0:
-            self._both_ways_at = now
-            return True
-        return now - self._both_ways_at < self.BOTH_WAYS_MEMORY
+        return self._lanes.both_ways(direction, self.BOTH_WAYS_MEMORY)
 
     # -- draining and closing ------------------------------------------------------------------
     async def drain(self) -> None:
@@ -366,12 +216,7 @@ class Offloader:
 
         Failures are not raised here; they belong to the transfers that failed.
         """
-        for last in [q.last_transfer for q in self._queues.values()]:
-            if last is not None:
-                try:
-                    await last
-                except TransferFailedError:
-                    pass
+        await self._lanes.drain()
 
     def drain_sync(self, timeout: float | None = None) -> bool:
         """Block until every submitted transfer finished; False on timeout.
@@ -380,7 +225,7 @@ class Offloader:
         completed counts until its callbacks return, so this would wait for itself).
         """
         refuse_blocking_wait("drain_sync()")
-        return all(q.drain(timeout) for q in self._queues.values())
+        return self._lanes.drain_sync(timeout)
 
     def close(self, timeout: float | None = None) -> None:
         """Refuse new work, drain both directions in order, then release threads, streams,
@@ -394,24 +239,15 @@ class Offloader:
         - interrupted (Ctrl-C), it leaves the same state; the next `close()` finishes;
         - inside a done-callback it does not wait: the release follows the last transfer.
         """
-        self._closed = True
+        self._submitter.closed = True
         self._life.close(timeout)
 
     async def aclose(self) -> None:
         """`drain()` then `close()`; new work is refused from the start. If the awaiting
         task is cancelled, the release still follows the last transfer in flight. Inside a
         done-callback (a loop run there) it is `close()`: it does not wait."""
-        self._closed = True
-        if completing_here():
-            self.close()
-            return
-        self._life.begin()
-        try:
-            await self.drain()
-        except BaseException:
-            self._life.try_release()
-            raise
-        self.close()
+        self._submitter.closed = True
+        await self._life.aclose(self.drain)
 
     async def __aenter__(self) -> Offloader:
         return self
@@ -432,7 +268,7 @@ class Offloader:
         )
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else "open"
+        state = "closed" if self._submitter.closed else "open"
         return (
             f"<Offloader {self.backend.name} {len(self.layout.tensors)} tensors "
             f"{self.num_cpu_chunks} chunks x {self.blocks_per_chunk} blocks "
@@ -441,10 +277,4 @@ class Offloader:
 
     def _resources(self) -> dict[str, int]:
         """Live threads, tasks and host bytes (for tests that count what close releases)."""
-        return {
-            "completion_threads": sum(q.thread_alive for q in self._queues.values()),
-            "resolver_tasks": self._engine.num_tasks,
-            "stream_threads": int(getattr(self.backend, "live_threads", 0)),
-            "host_bytes": sum(m.nbytes for m in self._host_mem if m._release is not None),
-            "inflight": sum(q.inflight for q in self._queues.values()),
-        }
+        return self._life.resources()

@@ -11,14 +11,16 @@ import ctypes
 import errno
 import mmap
 import os
+import weakref
 from collections.abc import Callable
+from functools import partial
 from typing import Literal
 
 import numpy as np
 
-from ._hostmem import Register, Unregister, pin_chunks, unpin_chunks
+from ._hostmem import Register, Unregister, pin_chunks, unpin_chunks, unpin_on_collect
 
-__all__ = ["MADV_POPULATE_WRITE", "pin_coordinated", "pin_slice", "populate",
+__all__ = ["MADV_POPULATE_WRITE", "RegionPins", "pin_coordinated", "pin_slice", "populate",
            "populate_spans"]
 
 #: Linux >= 5.14: fault pages in for writing without touching their contents
@@ -152,3 +154,45 @@ def pin_coordinated(
             return None
         done += more
     return done
+
+
+class RegionPins:
+    """The chunks of one region's mapping that are registered (page-locked), in order.
+
+    `pin` registers them once (whole, or coordinated through a barrier); `release`
+    unregisters them in reverse, once, and so does the owner's collection if it is never
+    closed. The region calls both under its lock.
+    """
+
+    def __init__(self) -> None:
+        self.addresses: list[int] = []
+        self.pinned = False
+        # unregisters the pinned chunks if close() is never called, before the unmap
+        self._unpinner: weakref.finalize[[], object] | None = None
+
+    def pin(self, owner: object, ptr: int, num_rows: int, row_stride: int,
+            first_slice: tuple[int, int], register: Register, unregister: Unregister,
+            cap: int, barrier: Callable[[], object] | None) -> bool:
+        """Register `num_rows` rows of `row_stride` bytes at `ptr` (see
+        `SharedHostRegion.pin`); False if that failed and nothing stays registered."""
+        if self.pinned:
+            return True
+        if barrier is None:
+            addrs = pin_chunks(ptr, num_rows * row_stride, row_stride, register, unregister,
+                               cap)
+        else:
+            addrs = pin_coordinated(ptr, num_rows, row_stride, first_slice, register,
+                                    unregister, cap, barrier)
+        if addrs is None:
+            return False
+        self.addresses = addrs
+        self._unpinner = unpin_on_collect(owner, partial(unpin_chunks, addrs, unregister))
+        self.pinned = True
+        return True
+
+    def release(self) -> None:
+        unpinner, self._unpinner = self._unpinner, None
+        if unpinner is not None:
+            unpinner()  # unregisters the chunks in reverse, once
+        self.addresses = []
+        self.pinned = False

@@ -10,7 +10,8 @@ It also has the methods of an asyncio future that a multi-loop object can honour
 runs on that loop, scheduled by the loop's resolver task (what `asyncio.wait` needs). A
 submitted copy cannot be recalled: `cancel()` returns False, and `asyncio.isfuture()` is
 False on purpose (see `FutureMethods`), so asyncio wraps a transfer in a task wherever it
-stops waiting by cancelling.
+stops waiting by cancelling. A load split per layer is a `LayeredTransfer`
+(`kvasync._layered_transfer`), one Transfer per layer.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
 from ._errors import TransferFailedError
-from ._future import Callback, FutureMethods, Relay
+from ._future import Callback, FutureMethods
 from ._polling import SPIN_GRACE, SPIN_WINDOW, Poller
 from ._threadstate import (
     on_library_thread,
@@ -35,8 +36,7 @@ from ._threadstate import (
     stash_base_exception,
 )
 
-__all__ = ["LayeredTransfer", "LoopFutures", "Progress", "Transfer", "TransferResult",
-           "layered_progress", "transfer_progress"]
+__all__ = ["LoopFutures", "Progress", "Transfer", "TransferResult", "transfer_progress"]
 
 log = logging.getLogger("kvasync")
 
@@ -337,91 +337,8 @@ def _run_callback(fn: Callable[[Transfer], object], transfer: Transfer) -> None:
             stash_base_exception(exc)
 
 
-class LayeredTransfer(FutureMethods):
-    """A load split per layer (`Offloader.load_layerwise`): one Transfer per layer.
-
-    Awaiting it awaits every layer and returns one TransferResult (bytes and seconds summed).
-    `layers[i]` is layer i's own Transfer; `events[i]` a device event recorded when layer i
-    has landed, kept for the life of this object, that `wait_layer` makes a stream wait on.
-    It has a Transfer's future methods; it is done when its last layer is (the layers run
-    in one lane, which completes them in order).
-    """
-
-    def __init__(
-        self, job_id: int, layers: list[Transfer], events: list[Any], backend: Any
-    ) -> None:
-        self.job_id = job_id
-        self.layers = layers
-        self.events = events
-        self._backend = backend
-
-    def __len__(self) -> int:
-        return len(self.layers)
-
-    def done(self) -> bool:
-        return all(t.done() for t in self.layers)
-
-    def progress(self) -> Progress:
-        """`(bytes_done, bytes_total)`: the bytes of the layers that have landed so far."""
-        return layered_progress(self)
-
-    def result(self) -> TransferResult:
-        """The summed result; raises the first layer's failure, RuntimeError if not done."""
-        if not self.done():
-            raise RuntimeError(f"{self!r} is not done yet")
-        return self._combine([t.result() for t in self.layers])
-
-    def exception(self) -> BaseException | None:
-        """The first layer's failure, or None (raises RuntimeError if not done)."""
-        if not self.done():
-            raise RuntimeError(f"{self!r} is not done yet")
-        return next((e for e in (t.exception() for t in self.layers) if e is not None), None)
-
-    def add_done_callback(
-        self, fn: Callable[[LayeredTransfer], object], *,
-        context: contextvars.Context | None = None
-    ) -> None:
-        """Call `fn(self)` once every layer is done; where it runs as for a Transfer."""
-        self.layers[-1].add_done_callback(Relay(fn, self), context=context)
-
-    def remove_done_callback(self, fn: Callable[[LayeredTransfer], object]) -> int:
-        return self.layers[-1].remove_done_callback(fn)
-
-    def wait_layer(self, index: int, stream: Any | None = None) -> None:
-        """Make `stream` (default: the compute stream) wait on the device until layer `index`
-        has landed; the host does not block (wraps cudaStreamWaitEvent on CUDA)."""
-        target = self._backend.compute_stream(stream)
-        if target is not None:
-            target.wait_event(self.events[index])
-
-    def _combine(self, results: list[TransferResult]) -> TransferResult:
-        return TransferResult(
-            self.job_id, True, sum(r.bytes for r in results), sum(r.seconds for r in results)
-        )
-
-    def wait(self, timeout: float | None = None) -> TransferResult:
-        """Block until every layer is done (TimeoutError after `timeout` per layer)."""
-        return self._combine([t.wait(timeout) for t in self.layers])
-
-    def __await__(self) -> Generator[Any, None, TransferResult]:
-        results = []
-        for t in self.layers:
-            r = yield from t.__await__()
-            results.append(r)
-        return self._combine(results)
-
-    def __repr__(self) -> str:
-        return f"<LayeredTransfer job_id={self.job_id} {len(self.layers)} layers>"
-
-
 def transfer_progress(t: Transfer) -> Progress:
     """A transfer's bytes are known to have landed only when its end event completed:
     (0, n) until then, (n, n) once it succeeded; a failed one stays at (0, n)."""
     ok = t.done() and t.exception() is None
     return Progress(t.nbytes if ok else 0, t.nbytes)
-
-
-def layered_progress(t: LayeredTransfer) -> Progress:
-    """The bytes of the layers that have landed (each layer has its own end event)."""
-    parts = [transfer_progress(layer) for layer in t.layers]
-    return Progress(sum(p.done for p in parts), sum(p.total for p in parts))

@@ -13,7 +13,7 @@ import pytest
 
 import kvasync
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def directives() -> list[str]:

@@ -14,7 +14,7 @@ import pytest
 
 import kvasync as kv
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 L, NB, BS, H, D = 3, 12, 4, 2, 8  # layers, blocks, block size, KV heads, head size
 LIBS = ["torch", "numpy"]
 

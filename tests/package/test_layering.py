@@ -1,8 +1,8 @@
-"""The package's layering: no import cycle, no oversize module, `_program` below the rest.
+"""The package's layering: no import cycle, `_program` below the rest (sizes: test_sizes.py).
 
 Imports are read from the source (module level, inside functions and under
 `TYPE_CHECKING` alike: each is a dependency a reader must follow), so a cycle cannot hide
-behind a lazy import. `python tests/test_layering.py` prints the cycles and the longest
+behind a lazy import. `python tests/package/test_layering.py` prints the cycles and the longest
 modules without running pytest.
 """
 
@@ -14,14 +14,10 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = "kvasync"
-#: no module of kvasync may grow past this many lines (split it into a new private module)
-MAX_LINES = 450
 #: cycles being taken apart elsewhere; each entry must still be a cycle (else remove it)
 KNOWN_CYCLES: list[frozenset[str]] = []
-#: modules being split elsewhere; each entry must still be too long (else remove it)
-KNOWN_LONG: set[str] = set()
 #: modules of the package each module of `_program` must not import (the copy program is
 #: pure NumPy: it knows no device, scheduler, completion, future or offloader)
 PROGRAM_MUST_NOT_IMPORT = (
@@ -165,19 +161,6 @@ def test_no_import_cycle() -> None:
     assert not stale, f"no longer cycles, remove them from KNOWN_CYCLES: {stale}"
 
 
-def _lines(path: Path) -> int:
-    return len(path.read_text().splitlines())
-
-
-@pytest.mark.parametrize("module", sorted(_modules()))
-def test_module_length(module: str) -> None:
-    lines = _lines(_modules()[module])
-    if module in KNOWN_LONG:
-        assert lines > MAX_LINES, f"{module} is short now: remove it from KNOWN_LONG"
-        return
-    assert lines <= MAX_LINES, f"{module} has {lines} lines (at most {MAX_LINES})"
-
-
 def test_program_imports_nothing_above_it() -> None:
     graph = import_graph()
     program = [m for m in graph if m == "kvasync._program" or m.startswith("kvasync._program.")]
@@ -217,5 +200,3 @@ def test_readme_names_every_module() -> None:
 
 if __name__ == "__main__":
     print("cycles:", [sorted(c) for c in cycles(import_graph())])
-    longest = sorted(((_lines(p), m) for m, p in _modules().items()), reverse=True)[:5]
-    print("longest:", ", ".join(f"{m} {n}" for n, m in longest))

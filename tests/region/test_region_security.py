@@ -29,7 +29,7 @@ import kvasync._region_file as regfile
 from kvasync import SharedHostRegion, SharedRegionError, SharedRegionTimeoutError
 
 PAGE = mmap.PAGESIZE
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 Names = Callable[[], str]
 
 #: what each refusal says; docs/shared-region.md's table lists the same fragments

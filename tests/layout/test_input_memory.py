@@ -21,7 +21,7 @@ import pytest
 import kvasync as kv
 from kvasync._memory import rows_overlap
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_child(code: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:

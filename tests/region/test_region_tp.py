@@ -25,7 +25,7 @@ from kvasync import SharedHostRegion, derive_page_mapping, mla_page_mapping
 from kvasync._mappings import head_shard
 
 PAGE = mmap.PAGESIZE
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 Names = Callable[[], str]
 

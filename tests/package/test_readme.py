@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 #: CI appends this to a README command: `set -e` ignores a failure inside an && list
 STOP = " || exit 1"
 
@@ -88,7 +88,7 @@ def test_the_default_run_deselects_the_soak_and_ci_runs_it_on_its_own() -> None:
     assert '-m "not slow"' in opts["addopts"]
     assert any(m.startswith("slow:") for m in opts["markers"])
     assert ".venv/bin/python -m pytest -q -m slow" in ci_lines()
-    soak = (ROOT / "tests" / "test_soak.py").read_text()
+    soak = (ROOT / "tests" / "offloader" / "test_soak.py").read_text()
     assert "@pytest.mark.slow" in soak
 
 
