@@ -29,7 +29,7 @@ from .._errors import (
 from .._layout import KVCacheLayout
 from .._program import RefTable, TransferPlan, build_plan, split_plan
 from .._scheduler import DirectionQueue
-from .._transfer import LayeredTransfer, Transfer
+from .._layered_transfer import LayeredTransfer, Transfer
 from ._backend import NixlBackend
 from ._rows import pool_row_bytes, pool_tables
 
