@@ -26,10 +26,11 @@ from .._errors import (
     OffloaderClosedError,
     TransferFailedError,
 )
+from .._layered_transfer import LayeredTransfer
 from .._layout import KVCacheLayout
 from .._program import RefTable, TransferPlan, build_plan, split_plan
 from .._scheduler import DirectionQueue
-from .._layered_transfer import LayeredTransfer, Transfer
+from .._transfer import Transfer
 from ._backend import NixlBackend
 from ._rows import pool_row_bytes, pool_tables
 
