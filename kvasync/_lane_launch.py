@@ -1,0 +1,249 @@
+"""Launching a lane's transfers: streams and events from its pools, the copy enqueued
+between a start and an end event, and the launcher thread of deferred transfers.
+
+`LaneLaunch` sits between the completion half of a lane (`_lane_completion.LaneCompletion`,
+its base) and its submission (`_scheduler.DirectionQueue`, its subclass): a submission
+either launches at once on the caller's thread (`_launch`, then `_add` hands the record to
+the completion side) or queues a `Launch` for the launcher thread (`_launch_loop`), which
+does the same in submission order. Big staged stores are deferred (`_deferred`): their
+slabs cost the host ~1 ms to enqueue, which the caller need not wait for.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import cast
+
+from ._backends import Backend, Direction, Event, Stream
+from ._completion import CompletionEngine
+from ._errors import OffloaderBrokenError
+from ._lane_completion import InFlight, LaneCompletion
+from ._program import TransferPlan
+from ._threadstate import mark_library_thread, timed_acquire
+from ._transfer import Transfer
+
+__all__ = ["LaneLaunch", "Launch"]
+
+
+@dataclass
+class Launch:
+    """A submitted transfer the lane has yet to enqueue on a stream."""
+
+    transfer: Transfer
+    plan: TransferPlan
+    job_id: int
+    path: str
+    order: Event | None
+    signal: Event | None
+
+
+class _Reached(Event):
+    """An end that is already reached: a deferred transfer whose stream calls the device
+    refused completes through it, failed, in its place in the lane's order."""
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self, timeout: float | None = None) -> bool:
+        return True
+
+    def error(self) -> BaseException | None:
+        return None
+
+    def elapsed_seconds(self, end: Event) -> float:
+        return 0.0
+
+
+class LaneLaunch(LaneCompletion):
+    """The launch half of a lane: pools, the enqueue of one transfer, the launcher thread."""
+
+    def __init__(self, backend: Backend, direction: Direction, engine: CompletionEngine,
+                 max_streams: int = 4, urgent: bool = False) -> None:
+        super().__init__(backend, direction, engine, urgent)
+        self._max_streams = max_streams
+        self._streams: list[Stream] = []
+        self._next_stream = 0
+        #: deferred transfers not yet enqueued, oldest first, and the thread that enqueues
+        #: them (`_launch_loop`), woken through `_launch_ready` (a condition of the lock)
+        self._launches: deque[Launch] = deque()
+        self._launcher: threading.Thread | None = None
+        self._launch_ready = threading.Condition(self._lock)
+
+    # -- pools (called under the lock) --------------------------------------------------------
+    def _stream(self) -> Stream:
+        if self._free_streams:
+            return self._free_streams.pop()
+        if len(self._streams) < self._max_streams:
+            s = self.backend.new_stream()
+            self._streams.append(s)
+            return s
+        # every pooled stream is busy: share one round-robin (order is kept by events)
+        s = self._streams[self._next_stream % len(self._streams)]
+        self._next_stream += 1
+        return s
+
+    def _event(self, timing: bool = True) -> Event:
+        pool = self._free_events if timing else self._free_order_events
+        if pool:
+            return pool.pop()
+        return self.backend.new_event(timing=timing)
+
+    @staticmethod
+    def _refused(job_id: int, exc: BaseException) -> OffloaderBrokenError:
+        return OffloaderBrokenError(
+            f"job {job_id}: the device refused new work: {type(exc).__name__}: {exc}", job_id
+        )
+
+    def _launch(self, job: Launch, raise_refusal: bool = False) -> InFlight:
+        """Enqueue `job` on a stream behind the lane's last transfer (under the lock): wait
+        for its order event, record start, the copy, end (and its signal).
+
+        A device that refuses the stream calls raises (`raise_refusal`, the caller's
+        thread) or fails the transfer through an already-complete end (the launcher)."""
+        plan, path = job.plan, job.path
+        stream: Stream | None = None
+        try:
+            stream = self._stream()
+            start, end = self._event(), self._event()
+            if job.order is not None:
+                stream.wait_event(job.order)
+            if self._last_end is not None and stream is not self._last_stream:
+                stream.wait_event(self._last_end)  # same stream: already in order
+            stream.record(start)
+        except Exception as exc:
+            if raise_refusal:
+                raise self._refused(job.job_id, exc) from exc
+            done = _Reached()  # never recycled: the failure stops the lane's pools
+            return InFlight(job.transfer, plan, cast(Stream, stream), done, done, None,
+                            self._refused(job.job_id, exc), 0.0)
+        error: BaseException | None = None
+        try:
+            if plan.nbytes <= self._piece_bytes(path):
+                self.backend.enqueue_copy(stream, plan, self.direction, path)
+            else:
+                self.backend.enqueue_pieces(stream, plan.pieces(*self._piece_slots(plan, path)),
+                                            self.direction, path)
+        except Exception as exc:  # an API error: the copy never got (fully) enqueued
+            error = exc
+        try:
+            stream.record(end)
+            if job.signal is not None:
+                stream.record(job.signal)
+        except Exception as exc:
+            if raise_refusal:
+                raise self._refused(job.job_id, exc) from exc
+            done = _Reached()
+            return InFlight(job.transfer, plan, stream, done, done, None,
+                            self._refused(job.job_id, exc), 0.0)
+        self._last_end = end
+        self._last_stream = stream
+        return InFlight(job.transfer, plan, stream, start, end, job.order, error, 0.0)
+
+    def _add(self, rec: InFlight) -> None:
+        """Hand `rec` to the completion side (under the lock)."""
+        rec.eta = rec.transfer._eta
+        self._fifo.append(rec)  # deque appends are atomic; order is set by self._lock
+        if not self.lazy:
+            self._pending.put(rec)
+        else:
+            with self._cv:  # wake the thread only if it parked (nothing was in flight)
+                if self._parked:
+                    self._cv.notify()
+
+    #: bytes per piece of a big transfer (about 0.6 ms of PCIe time) and the fewest slots.
+    #: Pieces bound how long a DMA transfer holds the copy engines (which ignore stream
+    #: priority), so an urgent transfer gets through; kernel copies share the link with an
+    #: urgent lane's kernel anyway, so they are cut only into `KERNEL_PIECE_BYTES` pieces,
+    #: which lets the device start while the host packs the rest (each piece costs a pack
+    #: and a launch, a quarter of a mid-size store's host time at 32 MiB)
+    PIECE_BYTES = 32 << 20
+
+    KERNEL_PIECE_BYTES = 256 << 20
+
+    MIN_PIECE_SLOTS = 2048
+
+    #: the first piece of a big transfer is this small (then 4x per piece up to the limit):
+    #: packing 256 MiB of 4 KiB pages took ~0.5 ms on the H200 host, time in which the
+    #: device sat idle; 8 MiB packs in tens of microseconds
+    FIRST_PIECE_BYTES = 8 << 20
+
+    MIN_FIRST_SLOTS = 256
+
+    def _piece_bytes(self, path: str) -> int:
+        # staged pieces pipeline through one staging ring like one program; a piece's
+        # program is built when it is enqueued, so the first slab need not wait for a whole
+        # gigabyte's (~3 ms of host time at 4 KiB pages on the H200 host). They grow to the
+        # kernel's size: at 32 MiB each piece's job upload and table lookups cost the H200
+        # 1 GiB staged transfers 5-8% of their device time
+        return self.KERNEL_PIECE_BYTES if path in ("kernel", "staged") else self.PIECE_BYTES
+
+    def _piece_slots(self, plan: TransferPlan, path: str = "dma") -> tuple[int, int]:
+        """(slots per piece, slots of the first piece) for a big `plan` on `path`."""
+        limit = self._piece_bytes(path)
+        slots = sum(len(s.src_slots) for s in plan.segments)
+        if slots == 0 or plan.nbytes <= limit:
+            return max(slots, 1), max(slots, 1)
+        per_slot = plan.nbytes / slots
+        most = max(self.MIN_PIECE_SLOTS, int(limit / per_slot))
+        first = max(self.MIN_FIRST_SLOTS, int(self.FIRST_PIECE_BYTES / per_slot))
+        return most, min(first, most)
+
+    #: staged stores of at least this many bytes are enqueued by the lane's launcher thread
+    #: (the caller only validates, builds the plan and records the order event): a 64 x 128
+    #: blocks store of 16 KiB pages spent ~1.5 ms enqueueing its slabs on the H200 host
+    DEFER_MIN_BYTES = 4 << 20
+
+    DEFER_PATHS = frozenset({"staged"})
+
+    def _deferred(self, plan: TransferPlan, path: str, signal: Event | None) -> bool:
+        # loads stay on the caller's thread: a compute stream may wait on their events as
+        # soon as load() returns, and waiting on an event not yet recorded does not wait
+        return (self.direction == "d2h" and signal is None and path in self.DEFER_PATHS
+                and plan.nbytes >= self.DEFER_MIN_BYTES)
+
+    def _ensure_launcher(self) -> None:
+        if self._launcher is None:
+            self._launcher = threading.Thread(target=self._launch_loop,
+                                              name=f"kvasync-{self.direction}-launcher",
+                                              daemon=True)
+            self._launcher.start()
+        else:
+            self._launch_ready.notify()
+
+    def _launch_loop(self) -> None:
+        """The launcher thread: enqueue deferred transfers in submission order, under the
+        lane's lock (a caller's submission waits for the launch in progress)."""
+        mark_library_thread()
+        with self._lock:
+            while True:
+                while not self._launches and not self._stop:
+                    self._launch_ready.wait()
+                if not self._launches:
+                    return
+                job = self._launches[0]
+                try:
+                    rec = self._launch(job)
+                finally:
+                    self._launches.popleft()
+                self._add(rec)
+
+    def request_stop(self, lock_timeout: float | None = None) -> None:
+        """Tell the completion thread and the launcher to exit once idle; no waiting."""
+        super().request_stop(lock_timeout)
+        if timed_acquire(self._lock, lock_timeout):
+            try:
+                self._launch_ready.notify_all()
+            finally:
+                self._lock.release()
+
+    def join_thread(self, timeout: float | None = None) -> None:
+        """Wait for the stopped completion thread and launcher to exit."""
+        super().join_thread(timeout)
+        thread = self._launcher
+        if thread is None or thread is threading.current_thread():
+            return
+        thread.join(timeout)
+        if not thread.is_alive():
+            self._launcher = None
