@@ -37,6 +37,7 @@ from ._cuda_device import (
 from ._cuda_dma import DmaPath, FanRound
 from ._cuda_kernel import DEFAULT_GRID, KernelPath, StagingPool, TableCache
 from ._cuda_kernels import CopyKernels
+from ._cuda_pieces import enqueue_fanned, enqueue_staged
 from ._cuda_policy import Calibration, choose_auto, device_calibration, measure
 from ._cuda_staged import StagedPath, StagingRing
 from ._cudart import cupy
@@ -226,46 +227,17 @@ class CudaBackend(CudaDevice):
     def enqueue_pieces(
         self, stream: Stream, pieces: Sequence[TransferPlan], direction: Direction, path: str
     ) -> None:
-        """The pieces of one transfer; their fanned-out DMA batches share one fork and one
-        join of the helper streams, whole pieces round-robin (`FAN_JOIN_PIECES`)."""
+        """The pieces of one transfer (`_cuda_pieces`): their fanned-out DMA batches share
+        one fork and one join of the helper streams, whole pieces round-robin
+        (`FAN_JOIN_PIECES`); a staged transfer goes piece after piece through one ring."""
         if path == "staged":
-            self._enqueue_staged_pieces(stream, pieces, direction)
+            enqueue_staged(stream, pieces, direction, self._concrete, self._enqueue)
             return
         if len(pieces) < 2 or (path != "dma" and path != "auto") or self._batch is None:
             super().enqueue_pieces(stream, pieces, direction, path)
             return
-        fan: FanRound | None = None
-        try:
-            for k, piece in enumerate(pieces):
-                cuda_stream, concrete = self._concrete(stream, piece, direction, path)
-                if cuda_stream._error is not None:
-                    return
-                if piece.num_descriptors == 0:
-                    continue
-                if concrete == "dma" and fan is None:
-                    fan = FanRound(self._dma, cuda_stream, self.FAN_OUT)
-                if fan is not None and self.FAN_JOIN_PIECES and k % self.FAN_JOIN_PIECES == 0:
-                    fan.join()
-                self._enqueue(cuda_stream, piece, direction, concrete,
-                              fan if concrete == "dma" else None)
-        finally:
-            if fan is not None:
-                fan.join()
-
-    def _enqueue_staged_pieces(self, stream: Stream, pieces: Sequence[TransferPlan],
-                               direction: Direction) -> None:
-        """A big staged transfer, piece after piece through one staging ring: each piece's
-        program is built as it is enqueued, so the first slab starts after a small piece's
-        host work instead of the whole transfer's. Only the first piece waits for the
-        stream's position (loads) and only the last makes the stream wait for its last row
-        copy (stores): in between the ring's events keep the copy engines busy."""
-        cuda_stream, _ = self._concrete(stream, pieces[0], direction, "staged")
-        todo = [p for p in pieces if p.num_descriptors]
-        for k, piece in enumerate(todo):
-            if cuda_stream._error is not None:
-                return
-            self._enqueue(cuda_stream, piece, direction, "staged",
-                          edges=(k == 0, k == len(todo) - 1))
+        enqueue_fanned(stream, pieces, direction, path, self._concrete, self._enqueue,
+                       self._dma, self.FAN_OUT, self.FAN_JOIN_PIECES)
 
     def _concrete(self, stream: Stream, plan: TransferPlan, direction: Direction,
                   path: str) -> tuple[CudaStream, str]:

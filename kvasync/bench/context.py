@@ -7,17 +7,16 @@ or reads kvasync state that is not public API; sections use `kvasync.Offloader`'
 - ``backend.grid`` (CUDA): the copy kernels' CTAs, set for the row re-creating vLLM's policy
   (12 CTAs for small loads) and restored after;
 - ``backend.calibration()`` (CUDA): what ``auto`` measured at start-up, kept in the metadata;
-- ``backend.alloc_host``: host memory of the kind kvasync copies from, for the ceilings.
+- ``backend.alloc_host``: host memory of the kind kvasync copies from, for the ceilings
+  (measured in `ceilings.py`).
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
 import platform
 import statistics
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -28,11 +27,11 @@ import numpy as np
 
 import kvasync as kv
 
+from .ceilings import Ceilings, sync_round_trips
 from .common import GiB, MiB, Options, fmt_size
 
 __all__ = ["BenchUnavailable", "Context", "Ran", "Timing", "cuda_unavailable_reason", "submit"]
 
-_H2D, _D2H = 1, 2  # cudaMemcpyKind
 #: vLLM's shipped policy: loads below this page size run its Triton kernel with 12 programs,
 #: everything else batched DMA (re-created with kvasync's own kernel and DMA paths)
 VLLM_LOAD_KERNEL_BELOW = 28 * 1024
@@ -136,9 +135,11 @@ class Context:
         self.pool = self._random_pool(self.pool_bytes)
         self._offloaders: dict[tuple[int, int], kv.Offloader] = {}
         self._owned: list[kv.Offloader] = []
-        self._ceilings: dict[str, float] = {}
-        self._host_buf: Any = None
         self._probe = self.make_offloader([self.device_array((1, 4096))], 1)
+        self._ceilings = Ceilings(gpu=self.gpu, cp=self.cp, pool_ptr=self._ptr(self.pool),
+                                  total=self.total, pool_bytes=self.pool_bytes,
+                                  reps=self.reps, alloc_host=self._probe.backend.alloc_host,
+                                  progress=self.progress)
         #: copy paths every section measures: "auto" first, then what the backend offers
         self.paths: tuple[str, ...] = ("auto", *[p for p in self._probe.backend.paths
                                                   if p != "auto"])
@@ -269,79 +270,23 @@ class Context:
             return "kernel", VLLM_KERNEL_CTAS
         return "dma", None
 
-    # -- ceilings -----------------------------------------------------------------------------
+    # -- ceilings (`ceilings.py`) -------------------------------------------------------------
     @property
     def ceiling_note(self) -> str:
-        if self.gpu:
-            return "one contiguous cudaMemcpyAsync of the same bytes, pinned host memory"
-        return "one contiguous host memmove of the same bytes"
+        return self._ceilings.note
 
     def ceiling(self, direction: str) -> float:
         """GB/s of one contiguous copy of `total` bytes in `direction` (median, cached)."""
-        if direction not in self._ceilings:
-            self.progress(f"ceiling {direction}")
-            hptr, dptr = self._host_ptr(), self._ptr(self.pool)
-            copy = (dptr, hptr, self.total, _H2D) if direction == "h2d" else (
-                hptr, dptr, self.total, _D2H)
-            self._ceilings[direction] = self.total / statistics.median(
-                self._timed_copies([copy])) / 1e9
-        return self._ceilings[direction]
+        return self._ceilings.ceiling(direction)
 
     def bidirectional_ceiling(self) -> float:
         """GB/s (both directions summed) of two contiguous copies at once, one each way."""
-        if "both" not in self._ceilings:
-            self.progress("bidirectional ceiling")
-            hptr, dptr, n = self._host_ptr(), self._ptr(self.pool), self.total
-            copies = [(dptr, hptr, n, _H2D), (hptr + n, dptr + n, n, _D2H)]
-            self._ceilings["both"] = 2 * n / statistics.median(self._timed_copies(copies)) / 1e9
-        return self._ceilings["both"]
-
-    def _host_ptr(self) -> int:
-        if self._host_buf is None:
-            mem = self._probe.backend.alloc_host(self.pool_bytes, MiB)
-            if self.gpu and not mem.pinned:
-                print("WARNING: the ceiling's host memory is not pinned", file=sys.stderr)
-            self._host_buf = mem
-        return int(self._host_buf.ptr)
-
-    def _timed_copies(self, copies: list[tuple[int, int, int, int]]) -> list[float]:
-        """Wall seconds of the (dst, src, bytes, kind) copies run at once, each on its own
-        stream (thread on the host), per rep after one warm-up."""
-        times: list[float] = []
-        streams = [self.cp.cuda.Stream(non_blocking=True) for _ in copies] if self.gpu else []
-        for rep in range(max(self.reps, 3) + 1):
-            t0 = time.perf_counter()
-            if self.gpu:
-                for (dst, src, n, kind), s in zip(copies, streams):
-                    self.cp.cuda.runtime.memcpyAsync(dst, src, n, kind, s.ptr)
-                for s in streams:
-                    s.synchronize()
-            else:
-                threads = [threading.Thread(target=ctypes.memmove, args=(dst, src, n))
-                           for dst, src, n, _ in copies]
-                for th in threads:
-                    th.start()
-                for th in threads:
-                    th.join()
-            if rep:
-                times.append(time.perf_counter() - t0)
-        return times
+        return self._ceilings.bidirectional()
 
     def sync_round_trips(self, nbytes: int, reps: int, warm: int) -> list[float]:
         """Seconds of `cudaMemcpyAsync` (pinned host -> device) + `cudaStreamSynchronize`,
         no asyncio: the floor under any awaited round trip (GPU only)."""
-        cp = self.cp
-        host = cp.cuda.alloc_pinned_memory(nbytes)
-        dev = cp.cuda.alloc(nbytes)
-        stream = cp.cuda.Stream(non_blocking=True)
-        out: list[float] = []
-        for i in range(reps + warm):
-            t0 = time.perf_counter()
-            cp.cuda.runtime.memcpyAsync(int(dev.ptr), int(host.ptr), nbytes, _H2D, stream.ptr)
-            stream.synchronize()
-            if i >= warm:
-                out.append(time.perf_counter() - t0)
-        return out
+        return sync_round_trips(self.cp, nbytes, reps, warm)
 
     # -- metadata and closing -----------------------------------------------------------------
     def device_name(self) -> str:
@@ -369,7 +314,7 @@ class Context:
             "host": f"{platform.platform()}, {os.cpu_count()} cores", "paths": list(self.paths),
             "tensors": self.tensors, "total_bytes": self.total, "reps": self.reps,
             "pages": list(self.opts.pages), "quick": self.quick, "ceiling": self.ceiling_note,
-            "ceilings_gbps": {k: round(v, 2) for k, v in self._ceilings.items()}}
+            "ceilings_gbps": {k: round(v, 2) for k, v in self._ceilings.measured.items()}}
         cal = getattr(self._probe.backend, "calibration", None)
         if self.gpu and callable(cal):
             try:
@@ -380,9 +325,7 @@ class Context:
 
     def close(self) -> None:
         """Close every offloader of the run and release the ceiling's host memory."""
-        if self._host_buf is not None:
-            self._host_buf.release()
-            self._host_buf = None
+        self._ceilings.close()
         for off in reversed(self._owned):
             try:
                 off.close(timeout=WAIT_S)

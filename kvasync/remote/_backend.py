@@ -7,8 +7,8 @@ for free when a NIXL transfer is just another copy on a stream:
 - a stream is a `HostStream` (one ordered worker thread); a copy on it builds the NIXL
   descriptor lists of a plan, posts NIXL requests (WRITE for stores, READ for loads) and
   waits for each by polling `check_xfer_state` with a sleep that grows from 20 us to 1 ms, so
-  a waiting stream costs no core; the events are `HostEvent`s, so the completion threads
-  sleep in blocking waits as on the host backend;
+  a waiting stream costs no core (`_requests.py`); the events are `HostEvent`s, so the
+  completion threads sleep in blocking waits as on the host backend;
 - a request that NIXL reports as failed, that outlives `timeout`, or whose pool went away
   (its control connection ended) raises on the stream: its transfer fails, every transfer
   queued behind it in the direction fails, and nothing waits forever.
@@ -35,19 +35,15 @@ import uuid
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from .._backends._base import Backend, Direction, Event, HostMemory, Stream
-from .._backends._host import AddressRanges, HostEvent, HostStream, _Mark
-from .._errors import (
-    BackendUnavailableError,
-    InvalidTransferError,
-    TransferFailedError,
-)
+from .._backends._host import AddressRanges, HostEvent, HostStream
+from .._errors import BackendUnavailableError, InvalidTransferError
 from .._program import kernel_plan
-from ._descriptors import desc_rows, page_descriptors, remote_program, run_descriptors
+from ._descriptors import page_descriptors, remote_program, run_descriptors
 from ._nixl import new_agent, parse_address, recv_msg, send_msg
+from ._requests import NixlRequests, PeerLink
 from ._rows import StagingRows
+from ._streams import _NixlStream, _TorchCompute
 
 if TYPE_CHECKING:
     from .._arrays import ArrayInfo
@@ -56,53 +52,6 @@ if TYPE_CHECKING:
 __all__ = ["NixlBackend"]
 
 log = logging.getLogger("kvasync")
-
-
-class _DeviceMark(_Mark):
-    """A recording on a CUDA compute stream: complete once its CUDA event completed."""
-
-    __slots__ = ("device_event",)
-
-    def __init__(self, device_event: Any) -> None:
-        super().__init__(done=False)
-        self.device_event = device_event
-
-
-class _TorchCompute(Stream):
-    """A torch CUDA stream as the compute stream a transfer waits on: `record` records a
-    blocking-sync CUDA event there, which the NIXL stream's thread waits for."""
-
-    def __init__(self, stream: Any) -> None:
-        self.stream = stream
-
-    def record(self, event: Event) -> None:
-        import torch
-
-        assert isinstance(event, HostEvent)
-        ev = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
-        ev.record(self.stream)
-        event._mark = _DeviceMark(ev)
-
-    def wait_event(self, event: Event) -> None:
-        raise InvalidTransferError("a compute stream cannot wait on a remote transfer's event")
-
-
-def _wait_device(mark: _DeviceMark) -> None:
-    mark.device_event.synchronize()
-    mark.time = time.perf_counter()
-    mark.flag.set()
-
-
-class _NixlStream(HostStream):
-    """A `HostStream` that can also wait on a CUDA compute stream's recording."""
-
-    def wait_event(self, event: Event) -> None:
-        assert isinstance(event, HostEvent)
-        mark = event._mark
-        if isinstance(mark, _DeviceMark):
-            self.enqueue(_wait_device, mark)
-        else:
-            super().wait_event(event)
 
 
 class NixlBackend(Backend):
@@ -119,9 +68,6 @@ class NixlBackend(Backend):
     #: completion-time prediction seeds of the scheduler (learned from completed transfers)
     initial_bandwidth = 2e9
     initial_latency = 200e-6
-    #: the poll's sleep: from the first to the last value, doubling
-    POLL_FIRST = 20e-6
-    POLL_MAX = 1e-3
 
     def __init__(self, peer: str | tuple[str, int], nbytes: int, align: int = 4096, *,
                  device: str = "cpu", device_id: int = -1, timeout: float = 30.0,
@@ -134,23 +80,19 @@ class NixlBackend(Backend):
         self._bounds = AddressRanges("the registered memory")
         self._lock = threading.Lock()
         self._closed = False
-        #: NIXL descriptors and requests posted so far (how many runs the transfers became)
-        self.descriptors_posted = 0
-        self.requests_posted = 0
         self._staging = StagingRows(staging_bytes, self._register_staging,
                                     self._deregister_staging)
-        self.peer_lost = threading.Event()
-        self.peer_error = ""
         host, port = parse_address(peer)
         try:
-            self._sock = socket.create_connection((host, port), timeout=connect_timeout)
+            sock = socket.create_connection((host, port), timeout=connect_timeout)
         except OSError as exc:
             raise BackendUnavailableError(f"cannot reach the pool at {host}:{port}: {exc}"
                                           ) from exc
+        self._link = PeerLink(sock, f"{host}:{port}")
         self._agent: Any = None
         try:
-            send_msg(self._sock, {"op": "attach", "nbytes": int(nbytes), "align": int(align)})
-            reply = recv_msg(self._sock)
+            send_msg(sock, {"op": "attach", "nbytes": int(nbytes), "align": int(align)})
+            reply = recv_msg(sock)
             if reply is None:
                 raise BackendUnavailableError(f"the pool at {host}:{port} closed the connection")
             if not reply.get("ok"):
@@ -163,32 +105,38 @@ class NixlBackend(Backend):
             self._agent = new_agent(f"kvasync-{os.getpid()}-{uuid.uuid4().hex[:8]}")
             self.peer_name = self._agent.add_remote_agent(
                 base64.b64decode(reply["metadata"]))
-            self._sock.settimeout(None)
+            sock.settimeout(None)
         except OSError as exc:
-            self._drop_connection()
+            self._link.drop()
             raise BackendUnavailableError(f"attaching to the pool at {host}:{port}: {exc}"
                                           ) from exc
         except BaseException:
-            self._drop_connection()
+            self._link.drop()
             raise
         self.peer = f"{host}:{port}"
-        self._watcher = threading.Thread(target=self._watch, daemon=True,
-                                         name="kvasync-nixl-peer")
-        self._watcher.start()
+        self._requests = NixlRequests(self._agent, self.peer_name, self._link, self._bounds,
+                                      self._remote_bounds, device=self.device,
+                                      device_id=self.device_id, timeout=self.timeout)
+        self._link.watch()
 
     # -- the pool's liveness -------------------------------------------------------------------
-    def _watch(self) -> None:
-        """Block on the control connection; its end means the pool is gone."""
-        try:
-            while True:
-                if not self._sock.recv(4096):
-                    break
-        except OSError:
-            pass
-        if not self._closed:
-            self.peer_error = f"the pool at {self.peer} went away (control connection ended)"
-            log.warning("kvasync: %s", self.peer_error)
-        self.peer_lost.set()
+    @property
+    def peer_lost(self) -> threading.Event:
+        """Set once the pool went away (its control connection ended) or on close()."""
+        return self._link.lost
+
+    @property
+    def peer_error(self) -> str:
+        return self._link.error
+
+    @property
+    def descriptors_posted(self) -> int:
+        """NIXL descriptors posted so far (how many runs the transfers became)."""
+        return self._requests.descriptors_posted
+
+    @property
+    def requests_posted(self) -> int:
+        return self._requests.requests_posted
 
     # -- memory ------------------------------------------------------------------------------
     def check_device_array(self, info: ArrayInfo, what: str) -> None:
@@ -283,13 +231,13 @@ class NixlBackend(Backend):
             import torch
 
             torch.cuda.set_device(self.device_id)
-        self._live()
+        self._link.check()
         deadline = time.monotonic() + self.timeout
         program = (remote_program(pieces, direction, self._staging.slab_bytes)
                    if self.device == "cpu" else None)
         if program is None:
             local, remote, sizes = page_descriptors(pieces, direction)
-            self._post(direction, local, remote, sizes, deadline)
+            self._requests.post(direction, local, remote, sizes, deadline)
             return
         table = pieces[0].table
         buf = self._staging.take()
@@ -299,9 +247,9 @@ class NixlBackend(Backend):
                 kernel = kernel_plan(program, slab, table, buf.ptr)
                 if direction == "d2h":
                     self._copy_local(kernel)  # pack the pages into staging rows
-                    self._post(direction, local, remote, sizes, deadline)
+                    self._requests.post(direction, local, remote, sizes, deadline)
                 else:
-                    self._post(direction, local, remote, sizes, deadline)
+                    self._requests.post(direction, local, remote, sizes, deadline)
                     self._copy_local(kernel)  # unpack the rows into the pages
         finally:
             self._staging.give(buf)
@@ -314,65 +262,15 @@ class NixlBackend(Backend):
         for s, d, n in zip(src.tolist(), dst.tolist(), sizes.tolist()):
             ctypes.memmove(d, s, n)
 
-    def _post(self, direction: Direction, local: np.ndarray, remote: np.ndarray,
-              sizes: np.ndarray, deadline: float) -> None:
-        """Post one NIXL request of these descriptor lists (bounds-checked) and wait for it."""
-        op = "WRITE" if direction == "d2h" else "READ"
-        self._bounds.check(local, sizes, "local descriptor")
-        self._remote_bounds.check(remote, sizes, "remote descriptor")
-        mem = "VRAM" if self.device == "cuda" else "DRAM"
-        dev = self.device_id if mem == "VRAM" else 0
-        with self._lock:
-            self.descriptors_posted += len(sizes)
-            self.requests_posted += 1
-        self._live()
-        try:
-            handle = self._agent.initialize_xfer(
-                op, self._agent.get_xfer_descs(desc_rows(local, sizes, dev), mem),
-                self._agent.get_xfer_descs(desc_rows(remote, sizes, 0), "DRAM"),
-                self.peer_name)
-        except Exception as exc:
-            raise TransferFailedError(f"NIXL refused the {op}: {exc}") from exc
-        try:
-            if self._agent.transfer(handle) == "ERR":
-                raise TransferFailedError(f"NIXL failed to post the {op}")
-            self._wait(handle, op, deadline)
-        finally:
-            self._release(handle)
-
-    def _live(self) -> None:
-        if self.peer_lost.is_set():
-            raise TransferFailedError(self.peer_error or "the remote offloader is closed")
-
-    def _wait(self, handle: Any, op: str, deadline: float) -> None:
-        delay = self.POLL_FIRST
-        while True:
-            state = self._agent.check_xfer_state(handle)
-            if state == "DONE":
-                return
-            if state != "PROC":
-                raise TransferFailedError(f"NIXL reported the {op} as failed ({state})")
-            self._live()
-            if time.monotonic() > deadline:
-                raise TransferFailedError(
-                    f"the {op} to {self.peer} did not finish within {self.timeout} s")
-            self.peer_lost.wait(delay)
-            delay = min(delay * 2, self.POLL_MAX)
-
-    def _release(self, handle: Any) -> None:
-        try:
-            self._agent.release_xfer_handle(handle)
-        except Exception as exc:  # still active and not cancellable: the agent keeps it
-            log.debug("kvasync: releasing a NIXL request failed: %s", exc)
-
     # -- shutdown ----------------------------------------------------------------------------
     def close(self) -> None:
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-        self.peer_error = self.peer_error or "the remote offloader is closed"
-        self.peer_lost.set()  # a stream still polling gives up at once
+            self._link.closed = True
+        self._link.error = self._link.error or "the remote offloader is closed"
+        self._link.lost.set()  # a stream still polling gives up at once
         streams, self._streams = self._streams, []
         for s in streams:
             s.close()
@@ -388,23 +286,9 @@ class NixlBackend(Backend):
             agent.remove_remote_agent(self.peer_name)
         except Exception as exc:
             log.debug("kvasync: removing the pool's agent failed: %s", exc)
-        self._drop_connection()
-        self._agent = None
-
-    def _drop_connection(self) -> None:
-        """Half-close the control connection and wait (bounded) for the pool to close its
-        end: it does so after zeroing and taking back this client's region, so when close()
-        returns the region is free for the next client."""
-        watcher = getattr(self, "_watcher", None)  # none yet while attaching
-        try:
-            self._sock.shutdown(socket.SHUT_WR if watcher is not None else socket.SHUT_RDWR)
-        except OSError:
-            pass
-        if watcher is not None:
-            watcher.join(timeout=10)
-        self._sock.close()
+        self._link.drop()
+        self._agent = self._requests.agent = None
 
     @property
     def live_threads(self) -> int:
-        return sum(1 for s in self._streams if s.alive) + int(
-            getattr(self, "_watcher", None) is not None and self._watcher.is_alive())
+        return sum(1 for s in self._streams if s.alive) + int(self._link.watching)

@@ -21,12 +21,6 @@ MAX_MODULE_LINES = 400
 MAX_CLASS_LINES = 250
 #: "module" or "module:Class" -> why it is long for now
 KNOWN_LONG: dict[str, str] = {
-    "kvasync._backends._cuda:CudaBackend": (
-        "_backends/ is being changed on another branch; split it once that lands"
-    ),
-    "kvasync.bench.context:Context": (
-        "the benchmark's device pool and ceilings; bench code, split when next changed"
-    ),
 }
 
 

@@ -1,0 +1,69 @@
+"""The pieces of one big CUDA transfer, enqueued in order (`CudaBackend.enqueue_pieces`).
+
+Each piece is checked (`concrete`: its CUDA stream and resolved path, InvalidTransferError
+before it is enqueued) and enqueued (`enqueue`) by the backend's own calls, passed in; this
+module only orders the pieces: fanned-out DMA batches share one fork and one join of the
+helper streams, and a staged transfer goes piece after piece through one staging ring.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Protocol
+
+from ._cuda_dma import FanRound
+
+if TYPE_CHECKING:
+    from .._program import TransferPlan
+    from ._base import Direction, Stream
+    from ._cuda_device import CudaStream
+    from ._cuda_dma import DmaPath
+
+__all__ = ["enqueue_fanned", "enqueue_staged"]
+
+#: `stream` and `path` of a piece, checked and resolved
+Concrete = Callable[["Stream", "TransferPlan", "Direction", str], "tuple[CudaStream, str]"]
+
+
+class Enqueue(Protocol):
+    def __call__(self, stream: CudaStream, plan: TransferPlan, direction: Direction,
+                 path: str, fan: FanRound | None = None,
+                 edges: tuple[bool, bool] = (True, True)) -> None: ...
+
+
+def enqueue_fanned(stream: Stream, pieces: Sequence[TransferPlan], direction: Direction,
+                   path: str, concrete: Concrete, enqueue: Enqueue, dma: DmaPath,
+                   fan_out: int, fan_join_pieces: int) -> None:
+    """The pieces of one transfer; their fanned-out DMA batches share one fork and one
+    join of the helper streams, whole pieces round-robin (`fan_join_pieces`)."""
+    fan: FanRound | None = None
+    try:
+        for k, piece in enumerate(pieces):
+            cuda_stream, path_k = concrete(stream, piece, direction, path)
+            if cuda_stream._error is not None:
+                return
+            if piece.num_descriptors == 0:
+                continue
+            if path_k == "dma" and fan is None:
+                fan = FanRound(dma, cuda_stream, fan_out)
+            if fan is not None and fan_join_pieces and k % fan_join_pieces == 0:
+                fan.join()
+            enqueue(cuda_stream, piece, direction, path_k, fan if path_k == "dma" else None)
+    finally:
+        if fan is not None:
+            fan.join()
+
+
+def enqueue_staged(stream: Stream, pieces: Sequence[TransferPlan], direction: Direction,
+                   concrete: Concrete, enqueue: Enqueue) -> None:
+    """A big staged transfer, piece after piece through one staging ring: each piece's
+    program is built as it is enqueued, so the first slab starts after a small piece's
+    host work instead of the whole transfer's. Only the first piece waits for the
+    stream's position (loads) and only the last makes the stream wait for its last row
+    copy (stores): in between the ring's events keep the copy engines busy."""
+    cuda_stream, _ = concrete(stream, pieces[0], direction, "staged")
+    todo = [p for p in pieces if p.num_descriptors]
+    for k, piece in enumerate(todo):
+        if cuda_stream._error is not None:
+            return
+        enqueue(cuda_stream, piece, direction, "staged", edges=(k == 0, k == len(todo) - 1))
