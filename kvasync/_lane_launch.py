@@ -123,8 +123,17 @@ class LaneLaunch(LaneCompletion):
             if plan.nbytes <= self._piece_bytes(path):
                 self.backend.enqueue_copy(stream, plan, self.direction, path)
             else:
-                self.backend.enqueue_pieces(stream, plan.pieces(*self._piece_slots(plan, path)),
-                                            self.direction, path)
+                pieces = list(plan.pieces(*self._piece_slots(plan, path)))
+                marks = [self.backend.new_event(timing=False) for _ in pieces]
+                moved = 0
+                landed: list[tuple[Event, int]] = []
+                for mark, piece in zip(marks, pieces):
+                    moved += piece.nbytes
+                    landed.append((mark, moved))
+                # published before the pieces are enqueued, so progress advances while a
+                # slow enqueue goes on (it counts a mark once it is recorded and reached)
+                job.transfer._marks = landed
+                self.backend.enqueue_pieces(stream, pieces, self.direction, path, marks)
         except Exception as exc:  # an API error: the copy never got (fully) enqueued
             error = exc
         try:

@@ -95,6 +95,7 @@ class Transfer(FutureMethods):
         "_error",
         "_eta",
         "_loop_callbacks",
+        "_marks",
         "_poller",
         "_resolvers",
         "_result",
@@ -123,6 +124,9 @@ class Transfer(FutureMethods):
         #: predicted completion time (perf_counter)
         self._poller: Poller | None = None
         self._eta = 0.0
+        #: (event, bytes landed once it completes) per piece of a pieced transfer, in
+        #: order; set as the pieces are enqueued (see `progress`)
+        self._marks: list[tuple[Any, int]] = []
 
     def __repr__(self) -> str:
         state = "pending"
@@ -139,7 +143,9 @@ class Transfer(FutureMethods):
         return self._result is not None or self._error is not None
 
     def progress(self) -> Progress:
-        """`(bytes_done, bytes_total)`: coarse, (0, n) until the whole transfer has landed."""
+        """`(bytes_done, bytes_total)`, never blocking: a transfer cut into pieces (above
+        32 MiB on DMA, 256 MiB on the kernel and staged paths) advances piece by piece; one
+        of a single piece stays at (0, n) until it has landed."""
         return transfer_progress(self)
 
     def result(self) -> TransferResult:
@@ -338,7 +344,15 @@ def _run_callback(fn: Callable[[Transfer], object], transfer: Transfer) -> None:
 
 
 def transfer_progress(t: Transfer) -> Progress:
-    """A transfer's bytes are known to have landed only when its end event completed:
-    (0, n) until then, (n, n) once it succeeded; a failed one stays at (0, n)."""
-    ok = t.done() and t.exception() is None
-    return Progress(t.nbytes if ok else 0, t.nbytes)
+    """Bytes known to have landed: (n, n) once the transfer succeeded, (0, n) if it failed.
+    Before that, a transfer cut into pieces counts the pieces whose marks (device events
+    recorded after each piece, in order) have completed; one in a single piece stays at
+    (0, n) until its end event completes."""
+    if t.done():
+        return Progress(t.nbytes if t.exception() is None else 0, t.nbytes)
+    done = 0
+    for mark, landed in t._marks:
+        if not mark.landed():
+            break
+        done = landed
+    return Progress(done, t.nbytes)

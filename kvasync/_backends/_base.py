@@ -47,6 +47,11 @@ class Event(ABC):
     def error(self) -> BaseException | None:
         """The device failure that reached this event, if any (valid once completed)."""
 
+    def landed(self) -> bool:
+        """True once the event was recorded and its stream reached it without an error;
+        never blocks. (A CUDA event never recorded reports itself complete to `query`.)"""
+        return self.query() and self.error() is None
+
     @abstractmethod
     def elapsed_seconds(self, end: Event) -> float:
         """Seconds between this event and `end` (both completed), measured by the device."""
@@ -134,13 +139,20 @@ class Backend(ABC):
         """Enqueue the copies of `plan` on `stream` using copy path `path`."""
 
     def enqueue_pieces(
-        self, stream: Stream, pieces: Sequence[TransferPlan], direction: Direction, path: str
+        self, stream: Stream, pieces: Sequence[TransferPlan], direction: Direction, path: str,
+        marks: Sequence[Event] | None = None,
     ) -> None:
         """Enqueue the pieces of one big transfer on `stream`, in order (one `enqueue_copy`
         each; a backend may share set-up between them, and the pieces may run in any order
-        among themselves, as the copies of one batch do)."""
-        for piece in pieces:
+        among themselves, as the copies of one batch do).
+
+        `marks`, if given, has one event per piece: each is recorded where it completes only
+        once its piece and every piece before it have landed (later is allowed, never
+        earlier); a transfer's `progress()` reads them."""
+        for k, piece in enumerate(pieces):
             self.enqueue_copy(stream, piece, direction, path)
+            if marks is not None:
+                stream.record(marks[k])
 
     def resolve_path(
         self, path: str, direction: Direction, plan: TransferPlan, host_pinned: bool,

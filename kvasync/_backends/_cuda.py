@@ -25,12 +25,11 @@ from typing import TYPE_CHECKING
 from .._errors import InvalidTransferError, TransferFailedError
 from .._program import check_stageable, staged_rows
 from . import _cuda_dma, _cuda_policy, _cudart
-from ._base import Direction, Stream
+from ._base import Direction, Event, Stream
 from ._cuda_device import (
     CudaDevice,
     CudaEvent,
     CudaStream,
-    RegisteredCheck,
     host_pointer_error,
     sm_count,
 )
@@ -39,6 +38,7 @@ from ._cuda_kernel import DEFAULT_GRID, KernelPath, StagingPool, TableCache
 from ._cuda_kernels import CopyKernels
 from ._cuda_pieces import enqueue_fanned, enqueue_staged
 from ._cuda_policy import Calibration, choose_auto, device_calibration, measure
+from ._cuda_registered import RegisteredCheck
 from ._cuda_staged import StagedPath, StagingRing
 from ._cudart import cupy
 
@@ -225,19 +225,20 @@ class CudaBackend(CudaDevice):
         self._enqueue(cuda_stream, plan, direction, path)
 
     def enqueue_pieces(
-        self, stream: Stream, pieces: Sequence[TransferPlan], direction: Direction, path: str
+        self, stream: Stream, pieces: Sequence[TransferPlan], direction: Direction, path: str,
+        marks: Sequence[Event] | None = None,
     ) -> None:
         """The pieces of one transfer (`_cuda_pieces`): their fanned-out DMA batches share
         one fork and one join of the helper streams, whole pieces round-robin
         (`FAN_JOIN_PIECES`); a staged transfer goes piece after piece through one ring."""
         if path == "staged":
-            enqueue_staged(stream, pieces, direction, self._concrete, self._enqueue)
+            enqueue_staged(stream, pieces, direction, self._concrete, self._enqueue, marks)
             return
         if len(pieces) < 2 or (path != "dma" and path != "auto") or self._batch is None:
-            super().enqueue_pieces(stream, pieces, direction, path)
+            super().enqueue_pieces(stream, pieces, direction, path, marks)
             return
         enqueue_fanned(stream, pieces, direction, path, self._concrete, self._enqueue,
-                       self._dma, self.FAN_OUT, self.FAN_JOIN_PIECES)
+                       self._dma, self.FAN_OUT, self.FAN_JOIN_PIECES, marks)
 
     def _concrete(self, stream: Stream, plan: TransferPlan, direction: Direction,
                   path: str) -> tuple[CudaStream, str]:
@@ -253,7 +254,7 @@ class CudaBackend(CudaDevice):
 
     def _enqueue(self, stream: CudaStream, plan: TransferPlan, direction: Direction,
                  path: str, fan: FanRound | None = None,
-                 edges: tuple[bool, bool] = (True, True)) -> None:
+                 edges: tuple[bool, bool] = (True, True), mark: Event | None = None) -> None:
         if self._closed:
             raise TransferFailedError("the cuda backend is closed")
         if not self._ready:
@@ -261,19 +262,20 @@ class CudaBackend(CudaDevice):
         if path in ("kernel", "staged") and self._kernel_error is not None:
             raise TransferFailedError(f"copy kernels unavailable: {self._kernel_error}")
         if cupy().cuda.runtime.getDevice() == self.device_id:  # cheaper than a Device()
-            self._copy(stream, plan, direction, path, fan, edges)
+            self._copy(stream, plan, direction, path, fan, edges, mark)
         else:
             with self._device():
-                self._copy(stream, plan, direction, path, fan, edges)
+                self._copy(stream, plan, direction, path, fan, edges, mark)
         self.counts[path] += 1
 
     def _copy(self, stream: CudaStream, plan: TransferPlan, direction: Direction, path: str,
-              fan: FanRound | None, edges: tuple[bool, bool] = (True, True)) -> None:
+              fan: FanRound | None, edges: tuple[bool, bool] = (True, True),
+              mark: Event | None = None) -> None:
         if path == "kernel":
             self._kernel.copy(stream, plan, direction, self.grid)
         elif path == "staged":
             self._staged.enqueue(self._ring(direction), stream, plan, direction,
-                                 self.staged_grid or DEFAULT_GRID, self._batch, edges)
+                                 self.staged_grid or DEFAULT_GRID, self._batch, edges, mark)
         else:
             self._dma.copy(stream, plan, direction, self._batch, fan,
                            each_runs=self.EACH_RUNS, fan_out=self.FAN_OUT,

@@ -30,14 +30,13 @@ from typing import TYPE_CHECKING, Any
 from .._errors import BackendUnavailableError, InvalidTransferError, TransferFailedError
 from .._hostmem import MAX_REGISTER_CHUNK_BYTES, host_memory
 from . import _cudart
-from ._base import Backend, Direction, Event, HostMemory, Stream
+from ._base import Backend, Event, HostMemory, Stream
 from ._cudart import cupy
 
 if TYPE_CHECKING:
     from .._arrays import ArrayInfo
-    from .._program import RefTable, TransferPlan
 
-__all__ = ["CudaDevice", "CudaEvent", "CudaStream", "RegisteredCheck"]
+__all__ = ["CudaDevice", "CudaEvent", "CudaStream", "device"]
 
 log = logging.getLogger("kvasync")
 
@@ -55,15 +54,17 @@ def _failure(call: str, exc: BaseException) -> TransferFailedError:
 class CudaEvent(Event):
     """A CuPy event (blocking sync); CUDA errors are captured, never raised.
 
-    `raw` is the CuPy Event that owns the handle `ptr` (destroyed when `raw` is collected).
+    `raw` is the CuPy Event that owns the handle `ptr` (destroyed when `raw` is collected);
+    `recorded` is set by `CudaStream.record` (an event never recorded queries complete).
     """
 
-    __slots__ = ("_error", "ptr", "raw")
+    __slots__ = ("_error", "ptr", "raw", "recorded")
 
     def __init__(self, raw: Any) -> None:
         self.raw = raw
         self.ptr = int(raw.ptr)
         self._error: BaseException | None = None
+        self.recorded = False
 
     def __repr__(self) -> str:
         return f"<CudaEvent {self.ptr:#x}{' failed' if self._error is not None else ''}>"
@@ -106,6 +107,10 @@ class CudaEvent(Event):
     def error(self) -> BaseException | None:
         """The captured failure, if any; no CUDA call."""
         return self._error
+
+    def landed(self) -> bool:
+        """Recorded, and `cudaEventQuery` says the stream reached it, without an error."""
+        return self.recorded and self.query() and self._error is None
 
     def elapsed_seconds(self, end: Event) -> float:
         """Wraps `cudaEventElapsedTime`; never blocks (both events completed); 0.0 on
@@ -151,6 +156,7 @@ class CudaStream(Stream):
             return
         try:
             cupy().cuda.runtime.eventRecord(event.ptr, self.ptr)
+            event.recorded = True
         except Exception as exc:
             self._error = event._error = _failure("cudaEventRecord", exc)
 
@@ -227,40 +233,6 @@ def _unregister_on(device_id: int, ptr: int) -> bool:
     unpins."""
     with cupy().cuda.Device(device_id):
         return _cudart.host_unregister(ptr)
-
-
-class RegisteredCheck:
-    """Whether every host tensor of a plan's table is CUDA-registered (cached per table
-    and direction): a safety net under the caller's `host_pinned` claim, since a kernel
-    dereferencing pageable memory would poison the whole CUDA context."""
-
-    def __init__(self, device_id: int) -> None:
-        self.device_id = device_id
-        self._cache: dict[tuple[int, str], tuple[RefTable, bool]] = {}
-
-    def check(self, plan: TransferPlan, direction: Direction) -> bool:
-        """Wraps `cudaPointerGetAttributes` on each tensor's first and last row (at the
-        first check of a table); blocks briefly in the driver."""
-        table = plan.table
-        if table is None or not plan.segments:
-            return True  # raw descriptors (tests, calibration): the caller vouches
-        key = (id(table), direction)
-        hit = self._cache.get(key)
-        if hit is not None and hit[0] is table:
-            return hit[1]
-        side = table.dst if direction == "d2h" else table.src
-        ok = True
-        with device(self.device_id):
-            for base, stride, rows in zip(side.base, side.row_stride, side.num_rows):
-                last = base + max(rows - 1, 0) * stride
-                if not (_cudart.is_registered(base) and _cudart.is_registered(last)):
-                    ok = False
-                    break
-        self._cache[key] = (table, ok)
-        return ok
-
-    def clear(self) -> None:
-        self._cache.clear()
 
 
 class CudaDevice(Backend):

@@ -119,12 +119,17 @@ class FanRound:
             self.used = i + 1
         return fan.streams[i]
 
-    def join(self) -> None:
+    def join(self, end_round: bool = True) -> None:
         """The main stream waits for every helper used since the last join (each helper is
         tried even if an earlier one's calls failed; the first failure is raised). Wraps
-        `cudaEventRecord` + `cudaStreamWaitEvent` per helper; returns without waiting."""
+        `cudaEventRecord` + `cudaStreamWaitEvent` per helper; returns without waiting.
+
+        `end_round=False` keeps the helpers forked: the main stream catches up with them
+        (so an event recorded on it next marks what they copied so far) while they go on
+        with later batches without a new fork."""
         fan, used = self.fan, self.used
-        self.used = self.next = 0
+        if end_round:
+            self.used = self.next = 0
         if fan is None:
             return
         rt = cupy().cuda.runtime

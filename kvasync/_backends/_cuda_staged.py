@@ -33,7 +33,7 @@ import numpy as np
 from .._errors import TransferFailedError
 from .._program import StagedProgram, TransferPlan, prepare_staged, slab_descriptors, staging_table
 from . import _cudart
-from ._base import Direction
+from ._base import Direction, Event
 from ._cuda_device import CudaEvent, CudaStream, create_event
 from ._cuda_kernel import StagingPool, TableCache
 from ._cuda_kernels import CopyKernels, pack_job
@@ -113,7 +113,7 @@ class StagedPath:
 
     def enqueue(self, ring: StagingRing, stream: CudaStream, plan: TransferPlan,
                 direction: Direction, grid: int, batch: _cudart.BatchCopier | None,
-                edges: tuple[bool, bool] = (True, True)) -> None:
+                edges: tuple[bool, bool] = (True, True), mark: Event | None = None) -> None:
         """Enqueue `plan`'s staged program on `stream` (kernel side) and the ring's helper
         stream (copy engines); when `stream` reaches its next event, every slab has landed.
 
@@ -126,10 +126,14 @@ class StagedPath:
 
         `edges` (first, last) are False for the inner pieces of one transfer: the helper
         already follows the first piece's fork (loads) and the stream waits for the last
-        piece's final row copy only (stores), so pieces pipeline like one program."""
+        piece's final row copy only (stores), so pieces pipeline like one program. `mark`,
+        if given, is recorded once this piece has landed: on the helper after its last row
+        copy (stores), on `stream` after its last unpack (loads)."""
         program: StagedProgram = plan.staged or prepare_staged(plan, direction,
                                                                ring.slab_bytes)
         if not program.slabs:
+            if mark is not None:
+                stream.record(mark)
             return
         store = direction == "d2h"
         helper = ring.helper
@@ -189,6 +193,8 @@ class StagedPath:
                 keep.append((src, dst, sizes))
             if store and edges[1]:
                 stream.wait_event(ring.free[last])
+            if mark is not None:
+                (helper if store else stream).record(mark)
 
     def _dma(self, batch: _cudart.BatchCopier | None, helper: CudaStream, src: np.ndarray,
              dst: np.ndarray, sizes: np.ndarray, store: bool) -> None:

@@ -216,12 +216,17 @@ class NixlBackend(Backend):
         self.enqueue_pieces(stream, [plan], direction, path)
 
     def enqueue_pieces(self, stream: Stream, pieces: Sequence[TransferPlan],
-                       direction: Direction, path: str) -> None:
+                       direction: Direction, path: str,
+                       marks: Sequence[Event] | None = None) -> None:
+        """One `_execute` of every piece on the stream thread; the marks follow it (the
+        pieces move as one set of NIXL requests)."""
         if path not in ("nixl", "auto"):
             raise InvalidTransferError(f"the remote tier has no copy path {path!r}")
         assert isinstance(stream, HostStream)
         if any(p.num_descriptors for p in pieces):
             stream.enqueue(self._execute, list(pieces), direction)
+        for mark in marks or ():
+            stream.record(mark)
 
     def _execute(self, pieces: list[TransferPlan], direction: Direction) -> None:
         """Run a transfer on a stream thread: staged through local rows where the plan is
