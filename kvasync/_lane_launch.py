@@ -14,6 +14,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import cast
 
 from ._backends import Backend, Direction, Event, Stream
@@ -96,6 +97,17 @@ class LaneLaunch(LaneCompletion):
             f"job {job_id}: the device refused new work: {type(exc).__name__}: {exc}", job_id
         )
 
+    def _refused_launch(self, job: Launch, stream: Stream | None, exc: BaseException,
+                        raise_refusal: bool) -> InFlight:
+        """The device refused a stream call of `job`'s launch: raise (the caller's thread)
+        or a record that fails the transfer in its place in the lane's order (the
+        launcher), through an end already reached."""
+        if raise_refusal:
+            raise self._refused(job.job_id, exc) from exc
+        done = _Reached()  # never recycled: the failure stops the lane's pools
+        return InFlight(job.transfer, job.plan, cast(Stream, stream), done, done, None,
+                        self._refused(job.job_id, exc), 0.0)
+
     def _launch(self, job: Launch, raise_refusal: bool = False) -> InFlight:
         """Enqueue `job` on a stream behind the lane's last transfer (under the lock): wait
         for its order event, record start, the copy, end (and its signal).
@@ -113,11 +125,7 @@ class LaneLaunch(LaneCompletion):
                 stream.wait_event(self._last_end)  # same stream: already in order
             stream.record(start)
         except Exception as exc:
-            if raise_refusal:
-                raise self._refused(job.job_id, exc) from exc
-            done = _Reached()  # never recycled: the failure stops the lane's pools
-            return InFlight(job.transfer, plan, cast(Stream, stream), done, done, None,
-                            self._refused(job.job_id, exc), 0.0)
+            return self._refused_launch(job, stream, exc, raise_refusal)
         error: BaseException | None = None
         try:
             if plan.nbytes <= self._piece_bytes(path):
@@ -125,14 +133,9 @@ class LaneLaunch(LaneCompletion):
             else:
                 pieces = list(plan.pieces(*self._piece_slots(plan, path)))
                 marks = [self.backend.new_event(timing=False) for _ in pieces]
-                moved = 0
-                landed: list[tuple[Event, int]] = []
-                for mark, piece in zip(marks, pieces):
-                    moved += piece.nbytes
-                    landed.append((mark, moved))
                 # published before the pieces are enqueued, so progress advances while a
                 # slow enqueue goes on (it counts a mark once it is recorded and reached)
-                job.transfer._marks = landed
+                job.transfer._marks = list(zip(marks, accumulate(p.nbytes for p in pieces)))
                 self.backend.enqueue_pieces(stream, pieces, self.direction, path, marks)
         except Exception as exc:  # an API error: the copy never got (fully) enqueued
             error = exc
@@ -141,11 +144,7 @@ class LaneLaunch(LaneCompletion):
             if job.signal is not None:
                 stream.record(job.signal)
         except Exception as exc:
-            if raise_refusal:
-                raise self._refused(job.job_id, exc) from exc
-            done = _Reached()
-            return InFlight(job.transfer, plan, stream, done, done, None,
-                            self._refused(job.job_id, exc), 0.0)
+            return self._refused_launch(job, stream, exc, raise_refusal)
         self._last_end = end
         self._last_stream = stream
         return InFlight(job.transfer, plan, stream, start, end, job.order, error, 0.0)
@@ -168,16 +167,13 @@ class LaneLaunch(LaneCompletion):
     #: which lets the device start while the host packs the rest (each piece costs a pack
     #: and a launch, a quarter of a mid-size store's host time at 32 MiB)
     PIECE_BYTES = 32 << 20
-
     KERNEL_PIECE_BYTES = 256 << 20
-
     MIN_PIECE_SLOTS = 2048
 
     #: the first piece of a big transfer is this small (then 4x per piece up to the limit):
     #: packing 256 MiB of 4 KiB pages took ~0.5 ms on the H200 host, time in which the
     #: device sat idle; 8 MiB packs in tens of microseconds
     FIRST_PIECE_BYTES = 8 << 20
-
     MIN_FIRST_SLOTS = 256
 
     def _piece_bytes(self, path: str) -> int:
@@ -203,7 +199,6 @@ class LaneLaunch(LaneCompletion):
     #: (the caller only validates, builds the plan and records the order event): a 64 x 128
     #: blocks store of 16 KiB pages spent ~1.5 ms enqueueing its slabs on the H200 host
     DEFER_MIN_BYTES = 4 << 20
-
     DEFER_PATHS = frozenset({"staged"})
 
     def _deferred(self, plan: TransferPlan, path: str, signal: Event | None) -> bool:

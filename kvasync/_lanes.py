@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from collections.abc import Iterable
 from typing import Any
 
 from ._backends import Backend, Direction, Stream
@@ -20,7 +21,7 @@ from ._program import TransferPlan
 from ._scheduler import DirectionQueue
 from ._transfer import Transfer
 
-__all__ = ["Lane", "Lanes"]
+__all__ = ["Lane", "Lanes", "drain_queues", "drain_queues_sync"]
 
 #: a lane: its direction, and whether it is the urgent one
 Lane = tuple[Direction, bool]
@@ -77,13 +78,24 @@ class Lanes:
 
     async def drain(self) -> None:
         """Wait until each lane's last transfer finished; failures are not raised here."""
-        for last in [q.last_transfer for q in self.queues.values()]:
-            if last is not None:
-                try:
-                    await last
-                except TransferFailedError:
-                    pass
+        await drain_queues(self.queues.values())
 
     def drain_sync(self, timeout: float | None = None) -> bool:
         """Block until every lane is idle; False on timeout."""
-        return all(q.drain(timeout) for q in self.queues.values())
+        return drain_queues_sync(self.queues.values(), timeout)
+
+
+async def drain_queues(queues: Iterable[DirectionQueue]) -> None:
+    """Wait (without blocking the loop) until each queue's last transfer finished; its
+    failure stays on it."""
+    for last in [q.last_transfer for q in queues]:
+        if last is not None:
+            try:
+                await last
+            except TransferFailedError:
+                pass
+
+
+def drain_queues_sync(queues: Iterable[DirectionQueue], timeout: float | None = None) -> bool:
+    """Block until every queue is idle; False on timeout (each queue waits up to it)."""
+    return all(q.drain(timeout) for q in queues)

@@ -118,16 +118,6 @@ class DirectionQueue(LaneLaunch):
         job.transfer._eta = eta
         self.stats.submitted(job.job_id, job.path, job.plan.nbytes)
 
-
-
-
-
-
-
-
-
-
-
     @property
     def _name(self) -> str:
         name = "store (d2h)" if self.direction == "d2h" else "load (h2d)"
@@ -144,8 +134,6 @@ class DirectionQueue(LaneLaunch):
             return
         with self._lock:
             self.closed = True
-
-
 
     def forget_pools(self, lock_timeout: float | None = None) -> None:
         """Drop pooled streams and events (after the backend closed them)."""

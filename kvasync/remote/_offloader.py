@@ -24,8 +24,8 @@ from .._errors import (
     InvalidTransferError,
     OffloaderBrokenError,
     OffloaderClosedError,
-    TransferFailedError,
 )
+from .._lanes import drain_queues, drain_queues_sync
 from .._layered_transfer import LayeredTransfer
 from .._layout import KVCacheLayout
 from .._program import RefTable, TransferPlan, build_plan, split_plan
@@ -214,16 +214,11 @@ class RemoteOffloader:
     # -- draining and closing ------------------------------------------------------------------
     async def drain(self) -> None:
         """Wait until every submitted transfer finished (failures stay on their transfers)."""
-        for last in [q.last_transfer for q in self._queues.values()]:
-            if last is not None:
-                try:
-                    await last
-                except TransferFailedError:
-                    pass
+        await drain_queues(self._queues.values())
 
     def drain_sync(self, timeout: float | None = None) -> bool:
         """Block until every submitted transfer finished; False on timeout."""
-        return all(q.drain(timeout) for q in self._queues.values())
+        return drain_queues_sync(self._queues.values(), timeout)
 
     def close(self, timeout: float | None = None) -> None:
         """Drain, stop threads, deregister the tensors and give the rows back to the pool.
