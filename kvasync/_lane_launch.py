@@ -106,7 +106,7 @@ class LaneLaunch(LaneCompletion):
             raise self._refused(job.job_id, exc) from exc
         done = _Reached()  # never recycled: the failure stops the lane's pools
         return InFlight(job.transfer, job.plan, cast(Stream, stream), done, done, None,
-                        self._refused(job.job_id, exc), 0.0)
+                        self._refused(job.job_id, exc), 0.0, path=job.path)
 
     def _launch(self, job: Launch, raise_refusal: bool = False) -> InFlight:
         """Enqueue `job` on a stream behind the lane's last transfer (under the lock): wait
@@ -128,10 +128,10 @@ class LaneLaunch(LaneCompletion):
             return self._refused_launch(job, stream, exc, raise_refusal)
         error: BaseException | None = None
         try:
-            if plan.nbytes <= self._piece_bytes(path):
+            pieces = list(plan.pieces(*self._piece_slots(plan, path)))
+            if len(pieces) < 2:
                 self.backend.enqueue_copy(stream, plan, self.direction, path)
             else:
-                pieces = list(plan.pieces(*self._piece_slots(plan, path)))
                 marks = [self.backend.new_event(timing=False) for _ in pieces]
                 # published before the pieces are enqueued, so progress advances while a
                 # slow enqueue goes on (it counts a mark once it is recorded and reached)
@@ -147,7 +147,8 @@ class LaneLaunch(LaneCompletion):
             return self._refused_launch(job, stream, exc, raise_refusal)
         self._last_end = end
         self._last_stream = stream
-        return InFlight(job.transfer, plan, stream, start, end, job.order, error, 0.0)
+        return InFlight(job.transfer, plan, stream, start, end, job.order, error, 0.0,
+                        path=path)
 
     def _add(self, rec: InFlight) -> None:
         """Hand `rec` to the completion side (under the lock)."""
@@ -175,6 +176,8 @@ class LaneLaunch(LaneCompletion):
     #: device sat idle; 8 MiB packs in tens of microseconds
     FIRST_PIECE_BYTES = 8 << 20
     MIN_FIRST_SLOTS = 256
+    #: a staged transfer up to this size is one program (its build is short)
+    STAGED_WHOLE_BYTES = 32 << 20
 
     def _piece_bytes(self, path: str) -> int:
         # staged pieces pipeline through one staging ring like one program; a piece's
@@ -185,14 +188,25 @@ class LaneLaunch(LaneCompletion):
         return self.KERNEL_PIECE_BYTES if path in ("kernel", "staged") else self.PIECE_BYTES
 
     def _piece_slots(self, plan: TransferPlan, path: str = "dma") -> tuple[int, int]:
-        """(slots per piece, slots of the first piece) for a big `plan` on `path`."""
+        """(slots per piece, slots of the first piece) for a big `plan` on `path`.
+
+        Staged pieces are sized in bytes only: a slot there is a block of every KV tensor
+        (1 MiB at 16 KiB pages x 64 tensors), and the slot floors below, set for the
+        descriptor paths, made a 1 GiB transfer of 16 KiB pages one piece whose whole
+        program (~1.8 ms of host time on the H200 host) was built before its first row
+        copy started."""
         limit = self._piece_bytes(path)
+        staged = path == "staged"
         slots = sum(len(s.src_slots) for s in plan.segments)
-        if slots == 0 or plan.nbytes <= limit:
+        if slots == 0 or plan.nbytes <= (self.STAGED_WHOLE_BYTES if staged else limit):
             return max(slots, 1), max(slots, 1)
         per_slot = plan.nbytes / slots
-        most = max(self.MIN_PIECE_SLOTS, int(limit / per_slot))
-        first = max(self.MIN_FIRST_SLOTS, int(self.FIRST_PIECE_BYTES / per_slot))
+        floor_most, floor_first = ((1, 1) if staged
+                                   else (self.MIN_PIECE_SLOTS, self.MIN_FIRST_SLOTS))
+        most = max(floor_most, int(limit / per_slot))
+        if slots <= most and not staged:
+            return slots, slots
+        first = max(floor_first, int(self.FIRST_PIECE_BYTES / per_slot))
         return most, min(first, most)
 
     #: staged stores of at least this many bytes are enqueued by the lane's launcher thread

@@ -101,18 +101,22 @@ class DirectionQueue(LaneLaunch):
                 self._launches.append(job)
                 self._ensure_launcher()
                 return transfer
+            launched = time.perf_counter()  # the device time learned below counts from here
             rec = self._launch(job, raise_refusal=True)
-            self._note_submitted(job)
+            self._note_submitted(job, launched)
             self._add(rec)
         return transfer
 
-    def _note_submitted(self, job: Launch) -> None:
-        """Count `job` in flight and predict its end (under the lock)."""
+    def _note_submitted(self, job: Launch, launched: float | None = None) -> None:
+        """Count `job` in flight and predict its end (under the lock): from `launched` (when
+        its enqueue began; now for a deferred one) or the lane's last predicted end, at
+        its path's learned rate."""
         self.last_transfer = job.transfer  # set under the lock: the newest, for drain()
         self._inflight += 1
         self._ensure_thread()
-        eta = max(time.perf_counter(), self._tail_eta) + self.latency
-        eta += job.plan.nbytes / self.bandwidth
+        now = time.perf_counter() if launched is None else launched
+        eta = max(now, self._tail_eta) + self.latency
+        eta += job.plan.nbytes / self.path_rate.get(job.path, self.bandwidth)
         self._tail_eta = eta
         job.transfer._poller = self
         job.transfer._eta = eta

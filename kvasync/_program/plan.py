@@ -111,7 +111,7 @@ class TransferPlan:
         behind the copy of the piece before it.
         """
         total = sum(len(seg.src_slots) for seg in self.segments)
-        if total <= max_slots or not self.segments:
+        if total <= min(max_slots, first or max_slots) or not self.segments:
             return [self]
         table = self.table
         out: list[TransferPlan] = []

@@ -71,7 +71,7 @@ class StagedProgram:
 #: requests of at most this many slots are staged in plain Python: NumPy's per-call
 #: overhead was most of a small store()'s host cost (a 10-block, two-group request took
 #: ~0.5 ms through the NumPy path)
-_SMALL = 256
+_SMALL = 64
 
 
 def _build_consecutive(plan: TransferPlan, seg: Segment, rows: RowSide, rps: int,
