@@ -17,7 +17,10 @@ Facts this path is built on (H200, ../shared/probes/staged_rows.py and the bench
   matmul's kernels hold the SMs, an unpack starts late, and the next DMA into its buffer
   waits for it. More buffers let the copy engines run ahead.
 
-Per transfer, one pinned job upload (every slab's kernel job); per slab one kernel launch
+Per transfer, one fetch of every slab's kernel job from pinned memory by the flat copy
+kernel (not a copy engine: queued behind row copies, a job upload held every slab of a
+store+load at once; 64 KiB pages both ways went 0.80 -> 0.87 of the bidirectional ceiling
+on the H200); per slab one kernel launch
 (the table kernel over a staging `RefTable` of its buffer), one DMA call
 (`cudaMemcpyAsync` for up to 4 runs, else one `cuMemcpyBatchAsync`) and four event calls.
 Host work does not grow with the number of KV tensors.
@@ -35,7 +38,7 @@ from .._program import StagedProgram, TransferPlan, prepare_staged, slab_descrip
 from . import _cudart
 from ._base import Direction, Event
 from ._cuda_device import CudaEvent, CudaStream, create_event
-from ._cuda_kernel import StagingPool, TableCache
+from ._cuda_kernel import StagingPool, TableCache, _Staging
 from ._cuda_kernels import CopyKernels, pack_job
 from ._cudart import cupy
 
@@ -43,8 +46,6 @@ if TYPE_CHECKING:
     from ._cuda_device import CudaDevice
 
 __all__ = ["StagedPath", "StagingRing"]
-
-_H2D = 1  # cudaMemcpyHostToDevice
 
 
 class StagingRing:
@@ -76,6 +77,8 @@ class StagingRing:
 
 #: up to this many runs, one cudaMemcpyAsync each (cheaper than a batch call)
 EACH_RUNS = 4
+#: bytes of job words one warp of the flat kernel fetches from pinned memory
+FETCH_BYTES = 2048
 
 
 class StagedPath:
@@ -117,8 +120,9 @@ class StagedPath:
         """Enqueue `plan`'s staged program on `stream` (kernel side) and the ring's helper
         stream (copy engines); when `stream` reaches its next event, every slab has landed.
 
-        Every slab's kernel job is packed into one pinned buffer and uploaded with one copy
-        before anything else (so no job upload queues behind row DMA on a copy engine).
+        Every slab's kernel job is packed into one pinned buffer and fetched to the device
+        by a kernel before anything else (`_fetch`: no copy engine, so no job waits behind
+        row copies).
         Stores: pack slab k into buffer b (after b's last DMA), DMA b -> host rows on the
         helper; `stream` finally waits for the last DMA. Loads: the helper waits for
         `stream`'s position (compute and FIFO waits), DMAs rows into b (after b's last
@@ -152,12 +156,13 @@ class StagedPath:
             offsets = [0]
             for job in jobs:
                 offsets.append(offsets[-1] + len(job.words))
-            st = self.staging.take(offsets[-1])
+            total = offsets[-1]
+            nfetch = -(-total * 8 // FETCH_BYTES)
+            st = self.staging.take(total + 3 * nfetch)
             keep.append(st)
             for job, off in zip(jobs, offsets):
                 st.words[off : off + len(job.words)] = job.words
-            rt = cupy().cuda.runtime
-            rt.memcpyAsync(st.dev_ptr, st.host_ptr, offsets[-1] * 8, _H2D, stream.ptr)
+            self._fetch(stream, st, total, nfetch)
             if not store and edges[0]:
                 fork = create_event(self.device_id, timing=False)
                 stream.record(fork)
@@ -195,6 +200,22 @@ class StagedPath:
                 stream.wait_event(ring.free[last])
             if mark is not None:
                 (helper if store else stream).record(mark)
+
+    def _fetch(self, stream: CudaStream, st: _Staging, total: int, nfetch: int) -> None:
+        """Copy the `total` job words from the pinned buffer to its device twin on `stream`
+        with the flat copy kernel, reading host memory over the bus (unified addressing
+        maps pinned memory into the device's address space): a `cudaMemcpyAsync` here
+        would queue on a copy engine behind the row copies of this ring or of the other
+        direction's (the engines run queued copies in order), and every slab waits for
+        its job. The kernel's descriptors, `nfetch` pieces of `FETCH_BYTES`, follow the
+        words in the same pinned buffer."""
+        nbytes = total * 8
+        starts = np.arange(nfetch, dtype=np.uint64) * np.uint64(FETCH_BYTES)
+        desc = st.words[total : total + 3 * nfetch]
+        desc[:nfetch] = starts + np.uint64(st.host_ptr)
+        desc[nfetch : 2 * nfetch] = starts + np.uint64(st.dev_ptr)
+        desc[2 * nfetch :] = np.minimum(np.uint64(FETCH_BYTES), np.uint64(nbytes) - starts)
+        self.kernels.launch_flat(stream.owner, st.host_ptr + nbytes, nfetch, nfetch)
 
     def _dma(self, batch: _cudart.BatchCopier | None, helper: CudaStream, src: np.ndarray,
              dst: np.ndarray, sizes: np.ndarray, store: bool) -> None:
