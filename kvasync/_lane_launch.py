@@ -177,7 +177,7 @@ class LaneLaunch(LaneCompletion):
     FIRST_PIECE_BYTES = 8 << 20
     MIN_FIRST_SLOTS = 256
     #: a staged transfer up to this size is one program (its build is short)
-    STAGED_WHOLE_BYTES = 32 << 20
+    STAGED_WHOLE_BYTES = 64 << 20
 
     def _piece_bytes(self, path: str) -> int:
         # staged pieces pipeline through one staging ring like one program; a piece's

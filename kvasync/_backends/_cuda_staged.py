@@ -47,6 +47,8 @@ if TYPE_CHECKING:
 
 __all__ = ["StagedPath", "StagingRing"]
 
+_H2D = 1  # cudaMemcpyHostToDevice
+
 
 class StagingRing:
     """The device staging buffers of one direction (used round-robin), a helper stream for
@@ -120,9 +122,11 @@ class StagedPath:
         """Enqueue `plan`'s staged program on `stream` (kernel side) and the ring's helper
         stream (copy engines); when `stream` reaches its next event, every slab has landed.
 
-        Every slab's kernel job is packed into one pinned buffer and fetched to the device
-        by a kernel before anything else (`_fetch`: no copy engine, so no job waits behind
-        row copies).
+        Every slab's kernel job is packed into one pinned buffer and reaches the device
+        before its kernel: for stores fetched by a kernel on `stream` (`_fetch`: no copy
+        engine, where it would wait behind the other direction's row copies), for loads
+        copied on the helper ahead of the piece's row copies (in their order; no kernel
+        stands before the first row copy).
         Stores: pack slab k into buffer b (after b's last DMA), DMA b -> host rows on the
         helper; `stream` finally waits for the last DMA. Loads: the helper waits for
         `stream`'s position (compute and FIFO waits), DMAs rows into b (after b's last
@@ -162,12 +166,18 @@ class StagedPath:
             keep.append(st)
             for job, off in zip(jobs, offsets):
                 st.words[off : off + len(job.words)] = job.words
-            self._fetch(stream, st, total, nfetch)
-            if not store and edges[0]:
-                fork = create_event(self.device_id, timing=False)
-                stream.record(fork)
-                helper.wait_event(fork)
-                keep.append(fork)
+            if store:
+                self._fetch(stream, st, total, nfetch)
+            else:
+                if edges[0]:
+                    fork = create_event(self.device_id, timing=False)
+                    stream.record(fork)
+                    helper.wait_event(fork)
+                    keep.append(fork)
+                # on the helper, ahead of this piece's row copies, which every unpack
+                # waits for anyway: no kernel (SMs) stands before the first row copy
+                cupy().cuda.runtime.memcpyAsync(st.dev_ptr, st.host_ptr, total * 8, _H2D,
+                                                helper.ptr)
             last = first
             ring.next = (first + len(program.slabs)) % nbuf
             for k, (b, slab) in enumerate(zip(order, program.slabs)):
