@@ -17,10 +17,11 @@ Facts this path is built on (H200, ../shared/probes/staged_rows.py and the bench
   matmul's kernels hold the SMs, an unpack starts late, and the next DMA into its buffer
   waits for it. More buffers let the copy engines run ahead.
 
-Per transfer, one fetch of every slab's kernel job from pinned memory by the flat copy
-kernel (not a copy engine: queued behind row copies, a job upload held every slab of a
-store+load at once; 64 KiB pages both ways went 0.80 -> 0.87 of the bidirectional ceiling
-on the H200); per slab one kernel launch
+Per piece, one move of every slab's kernel job to the device: a store's is fetched by the
+flat copy kernel from pinned memory (a copy-engine upload would queue behind the loads'
+row copies, and every slab of a store+load at once waited for it); a load's is copied on
+the helper stream ahead of its row copies (a kernel there would hold the first row copy
+until a model's kernel frees the SMs); per slab one kernel launch
 (the table kernel over a staging `RefTable` of its buffer), one DMA call
 (`cudaMemcpyAsync` for up to 4 runs, else one `cuMemcpyBatchAsync`) and four event calls.
 Host work does not grow with the number of KV tensors.
