@@ -144,8 +144,9 @@ class Transfer(FutureMethods):
 
     def progress(self) -> Progress:
         """`(bytes_done, bytes_total)`, never blocking: a transfer cut into pieces (above
-        32 MiB on DMA, 256 MiB on the kernel and staged paths) advances piece by piece; one
-        of a single piece stays at (0, n) until it has landed."""
+        64 MiB on the staged path, 256 MiB on the kernel path, 32 MiB on DMA when it spans
+        enough blocks) advances piece by piece; one of a single piece stays at (0, n) until
+        it has landed."""
         return transfer_progress(self)
 
     def result(self) -> TransferResult:
