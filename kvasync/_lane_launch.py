@@ -128,7 +128,8 @@ class LaneLaunch(LaneCompletion):
             return self._refused_launch(job, stream, exc, raise_refusal)
         error: BaseException | None = None
         try:
-            pieces = list(plan.pieces(*self._piece_slots(plan, path)))
+            pieces = ([plan] if plan.nbytes <= self._whole_bytes(path)
+                      else plan.pieces(*self._piece_slots(plan, path)))
             if len(pieces) < 2:
                 self.backend.enqueue_copy(stream, plan, self.direction, path)
             else:
@@ -187,6 +188,11 @@ class LaneLaunch(LaneCompletion):
         # 1 GiB staged transfers 5-8% of their device time
         return self.KERNEL_PIECE_BYTES if path in ("kernel", "staged") else self.PIECE_BYTES
 
+    def _whole_bytes(self, path: str) -> int:
+        """Transfers up to this size on `path` are never cut (checked before any slot
+        count: this runs on every submission)."""
+        return self.STAGED_WHOLE_BYTES if path == "staged" else self._piece_bytes(path)
+
     def _piece_slots(self, plan: TransferPlan, path: str = "dma") -> tuple[int, int]:
         """(slots per piece, slots of the first piece) for a big `plan` on `path`.
 
@@ -198,7 +204,7 @@ class LaneLaunch(LaneCompletion):
         limit = self._piece_bytes(path)
         staged = path == "staged"
         slots = sum(len(s.src_slots) for s in plan.segments)
-        if slots == 0 or plan.nbytes <= (self.STAGED_WHOLE_BYTES if staged else limit):
+        if slots == 0 or plan.nbytes <= self._whole_bytes(path):
             return max(slots, 1), max(slots, 1)
         per_slot = plan.nbytes / slots
         floor_most, floor_first = ((1, 1) if staged

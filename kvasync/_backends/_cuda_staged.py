@@ -39,12 +39,13 @@ from .._program import StagedProgram, TransferPlan, prepare_staged, slab_descrip
 from . import _cudart
 from ._base import Direction, Event
 from ._cuda_device import CudaEvent, CudaStream, create_event
-from ._cuda_kernel import StagingPool, TableCache, _Staging
+from ._cuda_kernel import StagingPool, TableCache
 from ._cuda_kernels import CopyKernels, pack_job
 from ._cudart import cupy
 
 if TYPE_CHECKING:
     from ._cuda_device import CudaDevice
+    from ._cuda_kernel import _Staging
 
 __all__ = ["StagedPath", "StagingRing"]
 
@@ -162,7 +163,7 @@ class StagedPath:
             for job in jobs:
                 offsets.append(offsets[-1] + len(job.words))
             total = offsets[-1]
-            nfetch = -(-total * 8 // FETCH_BYTES)
+            nfetch = -(-total * 8 // FETCH_BYTES) if store else 0  # `_fetch` descriptors
             st = self.staging.take(total + 3 * nfetch)
             keep.append(st)
             for job, off in zip(jobs, offsets):

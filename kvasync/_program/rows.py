@@ -127,14 +127,23 @@ def coverage_pattern(table: RefTable, rows: RowSide, refs: np.ndarray, mask: int
     return out
 
 
-def coalesce_runs(so: np.ndarray, hp: np.ndarray, sz: np.ndarray
-                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Sort runs by host address and merge those contiguous on both sides."""
+def coalesce_runs(so: np.ndarray, hp: np.ndarray, sz: np.ndarray,
+                  group: np.ndarray | None = None
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+    """Sort runs by host address (by `group`, then host address, when given) and merge
+    those contiguous on both sides (and of one group); `group` comes back sorted and merged
+    alike (None stays None)."""
     if len(sz) > 1:
-        order = np.argsort(hp, kind="stable")
+        order = (np.argsort(hp, kind="stable") if group is None
+                 else np.lexsort((hp, group)))
         so, hp, sz = so[order], hp[order], sz[order]
         joins = (so[:-1] + sz[:-1] == so[1:]) & (hp[:-1] + sz[:-1] == hp[1:])
+        if group is not None:
+            group = group[order]
+            joins &= group[:-1] == group[1:]
         if joins.any():
             starts = np.flatnonzero(np.concatenate(([True], ~joins)))
-            return so[starts], hp[starts], np.add.reduceat(sz, starts).astype(U64)
-    return so, hp, sz
+            so, hp = so[starts], hp[starts]
+            sz = np.add.reduceat(sz, starts).astype(U64)
+            group = None if group is None else group[starts]
+    return so, hp, sz, group

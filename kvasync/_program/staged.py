@@ -292,23 +292,13 @@ def build_staged(plan: TransferPlan, gpu_to_cpu: bool, slab_bytes: int) -> Stage
         so, hp = np.concatenate(so_l), np.concatenate(hp_l)
         sz, slab_ix = np.concatenate(sz_l).astype(U64), np.concatenate(sl_l)
     slabs: list[Slab] = []
-    if nslabs == 1:
-        so, hp, sz = coalesce_runs(so, hp, sz)
-        cuts: list[int] = [0, len(sz)]
-    else:
-        # every slab's runs coalesced at once (one sort by slab, then host address; a run
-        # never joins one of another slab): per-slab sorts cost ~15 us each, most of a
-        # 256-block program at 16 KiB pages
-        slab_ix = np.asarray(slab_ix, dtype=np.int64)
-        order = np.lexsort((hp, slab_ix))
-        so, hp, sz, slab_ix = so[order], hp[order], sz[order], slab_ix[order]
-        joins = ((so[:-1] + sz[:-1] == so[1:]) & (hp[:-1] + sz[:-1] == hp[1:])
-                 & (slab_ix[:-1] == slab_ix[1:]))
-        if joins.any():
-            starts = np.flatnonzero(np.concatenate(([True], ~joins)))
-            so, hp, slab_ix = so[starts], hp[starts], slab_ix[starts]
-            sz = np.add.reduceat(sz, starts).astype(U64)
-        cuts = np.searchsorted(slab_ix, np.arange(nslabs + 1)).tolist()
+    # every slab's runs coalesced in one sort (by slab, then host address; a run never
+    # joins another slab's): one sort per slab cost ~15 us each, most of a 256-block
+    # program at 16 KiB pages
+    group = np.asarray(slab_ix, dtype=np.int64) if nslabs > 1 else None
+    so, hp, sz, group = coalesce_runs(so, hp, sz, group)
+    cuts: list[int] = ([0, len(sz)] if group is None
+                       else np.searchsorted(group, np.arange(nslabs + 1)).tolist())
     for k in range(nslabs):
         lo, hi = cuts[k], cuts[k + 1]
         r_so, r_hp, r_sz = so[lo:hi], hp[lo:hi], sz[lo:hi]
