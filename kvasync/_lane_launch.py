@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from itertools import accumulate
 from typing import cast
 
-from ._backends import Backend, Direction, Event, Stream
+from ._backends import Backend, Direction, Event, Overlap, Stream
 from ._completion import CompletionEngine
 from ._errors import OffloaderBrokenError
 from ._lane_completion import InFlight, LaneCompletion
@@ -69,6 +69,8 @@ class LaneLaunch(LaneCompletion):
         #: deferred transfers not yet enqueued, oldest first, and the thread that enqueues
         #: them (`_launch_loop`), woken through `_launch_ready` (a condition of the lock)
         self._launches: deque[Launch] = deque()
+        #: the path of the transfer whose end is `_last_end` (`may_overlap` asks for it)
+        self._last_path = ""
         self._launcher: threading.Thread | None = None
         self._launch_ready = threading.Condition(self._lock)
 
@@ -116,27 +118,38 @@ class LaneLaunch(LaneCompletion):
         thread) or fails the transfer through an already-complete end (the launcher)."""
         plan, path = job.plan, job.path
         stream: Stream | None = None
+        overlap: Overlap | None = None
         try:
             stream = self._stream()
             start, end = self._event(), self._event()
             if job.order is not None:
                 stream.wait_event(job.order)
             if self._last_end is not None and stream is not self._last_stream:
-                stream.wait_event(self._last_end)  # same stream: already in order
-            stream.record(start)
+                # same stream: already in order
+                if self.backend.may_overlap(path, self.direction, self._last_path):
+                    overlap = Overlap(self._last_end, start)  # the backend waits for it
+                else:
+                    stream.wait_event(self._last_end)
+            if overlap is None:
+                stream.record(start)
         except Exception as exc:
             return self._refused_launch(job, stream, exc, raise_refusal)
         error: BaseException | None = None
         try:
             pieces = ([plan] if plan.nbytes <= self._whole_bytes(path)
                       else plan.pieces(*self._piece_slots(plan, path)))
-            if len(pieces) < 2:
-                self.backend.enqueue_copy(stream, plan, self.direction, path)
-            else:
+            marks: list[Event] | None = None
+            if len(pieces) > 1:
                 marks = [self.backend.new_event(timing=False) for _ in pieces]
                 # published before the pieces are enqueued, so progress advances while a
                 # slow enqueue goes on (it counts a mark once it is recorded and reached)
                 job.transfer._marks = list(zip(marks, accumulate(p.nbytes for p in pieces)))
+            if overlap is not None:
+                self.backend.enqueue_overlapped(stream, pieces, self.direction, path, overlap,
+                                                marks)
+            elif marks is None:
+                self.backend.enqueue_copy(stream, plan, self.direction, path)
+            else:
                 self.backend.enqueue_pieces(stream, pieces, self.direction, path, marks)
         except Exception as exc:  # an API error: the copy never got (fully) enqueued
             error = exc
@@ -148,6 +161,7 @@ class LaneLaunch(LaneCompletion):
             return self._refused_launch(job, stream, exc, raise_refusal)
         self._last_end = end
         self._last_stream = stream
+        self._last_path = path
         return InFlight(job.transfer, plan, stream, start, end, job.order, error, 0.0,
                         path=path)
 

@@ -9,9 +9,9 @@ from importlib import import_module
 from typing import Any
 
 from .._errors import BackendUnavailableError
-from ._base import Backend, Direction, Event, HostMemory, Stream
+from ._base import Backend, Direction, Event, HostMemory, Overlap, Stream
 
-__all__ = ["Backend", "Direction", "Event", "HostMemory", "Stream", "load_backend"]
+__all__ = ["Backend", "Direction", "Event", "HostMemory", "Overlap", "Stream", "load_backend"]
 
 _MODULES = {"host": ("._host", "HostBackend"), "cuda": ("._cuda", "CudaBackend")}
 

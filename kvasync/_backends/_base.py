@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from .._arrays import ArrayInfo
     from .._program import TransferPlan
 
-__all__ = ["Backend", "Direction", "Event", "HostMemory", "Stream"]
+__all__ = ["Backend", "Direction", "Event", "HostMemory", "Overlap", "Stream"]
 
 Direction = Literal["d2h", "h2d"]
 
@@ -93,6 +93,17 @@ class HostMemory:
             fn()
 
 
+@dataclass(frozen=True)
+class Overlap:
+    """How a transfer may start before its lane predecessor ends (`Backend.may_overlap`):
+    whatever it writes at its destination, and its end event, must follow `after` (the
+    predecessor's end); the rest (reading its source, staging) may run ahead. `start` is
+    recorded where its own data movement begins, so its device time excludes the wait."""
+
+    after: Event
+    start: Event
+
+
 class Backend(ABC):
     """A device kvasync can move KV blocks to and from; one instance per offloader."""
 
@@ -153,6 +164,21 @@ class Backend(ABC):
             self.enqueue_copy(stream, piece, direction, path)
             if marks is not None:
                 stream.record(marks[k])
+
+    def may_overlap(self, path: str, direction: Direction, previous: str) -> bool:
+        """Whether a transfer on `path` may be enqueued with `enqueue_overlapped` behind a
+        predecessor of its lane on path `previous` that may not have ended: the backend
+        then orders its writes after it. False: the lane makes the stream wait first."""
+        return False
+
+    def enqueue_overlapped(
+        self, stream: Stream, pieces: Sequence[TransferPlan], direction: Direction, path: str,
+        overlap: Overlap, marks: Sequence[Event] | None = None,
+    ) -> None:
+        """`enqueue_pieces` (or `enqueue_copy` for one piece) where `may_overlap` said so:
+        `stream` has not waited for `overlap.after`; the backend records `overlap.start`
+        and keeps the `Overlap` rules."""
+        raise NotImplementedError(f"the {self.name} backend does not overlap transfers")
 
     def resolve_path(
         self, path: str, direction: Direction, plan: TransferPlan, host_pinned: bool,

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from .._errors import InvalidTransferError, TransferFailedError
 from .._program import check_stageable, staged_rows
 from . import _cuda_dma, _cuda_policy, _cudart
-from ._base import Direction, Event, Stream
+from ._base import Direction, Event, Overlap, Stream
 from ._cuda_device import (
     CudaDevice,
     CudaEvent,
@@ -43,11 +43,9 @@ from ._cuda_staged import StagedPath, StagingRing
 from ._cudart import cupy
 
 if TYPE_CHECKING:
-    from collections import OrderedDict
     from collections.abc import Sequence
 
     from .._program import TransferPlan
-    from ._cuda_kernel import _TableEntry
 
 __all__ = ["DEFAULT_GRID", "Calibration", "CudaBackend", "CudaEvent", "CudaStream"]
 
@@ -71,15 +69,14 @@ class CudaBackend(CudaDevice):
     #: buffers used round-robin (one slab each)
     STAGING_BYTES = 64 << 20
     STAGING_BUFFERS = 4
-    #: "auto" rules (`_cuda_policy`): the smallest staged transfer (0: never staged), an
-    #: urgent transfer takes the kernel, the smallest mean descriptor sent to DMA while
-    #: the other direction is busy (0: off)
+    #: "auto" rules (`_cuda_policy`): the smallest staged transfer (0: never), an urgent
+    #: transfer takes the kernel, the smallest mean descriptor to DMA beside the other way
     STAGED_MIN_BYTES = _cuda_policy.STAGED_MIN_BYTES
     STAGED_MAX_PAGE_BYTES = _cuda_policy.STAGED_MAX_PAGE_BYTES
     URGENT_KERNEL = _cuda_policy.URGENT_KERNEL
     CONTENDED_DMA_BYTES = _cuda_policy.CONTENDED_DMA_BYTES
-    #: DMA (`_cuda_dma`): runs sent as single copies, helper streams of fan-out, the
-    #: smallest mean descriptor fanned out, pieces per fork/join (0: one per transfer)
+    #: DMA (`_cuda_dma`): runs sent as single copies, fan-out helper streams, the smallest
+    #: mean descriptor fanned out, pieces per fork/join (0: one per transfer)
     EACH_RUNS = _cuda_dma.EACH_RUNS
     FAN_OUT = _cuda_dma.FAN_OUT
     FAN_MIN_BYTES = _cuda_dma.FAN_MIN_BYTES
@@ -122,11 +119,6 @@ class CudaBackend(CudaDevice):
         self._dma = DmaPath(self.device_id, self.counts)
         self._staged = StagedPath(self.device_id, self._kernels, self._table_cache,
                                   self._staging)
-
-    @property
-    def _tables(self) -> OrderedDict[int, _TableEntry]:
-        """The device table cache (by RefTable identity)."""
-        return self._table_cache.entries
 
     # -- set-up ---------------------------------------------------------------------------------
     def warm_up(self) -> None:
@@ -195,8 +187,7 @@ class CudaBackend(CudaDevice):
                            self.calibration, self.STAGED_MAX_PAGE_BYTES)
 
     def _stage(self, plan: TransferPlan, direction: Direction) -> bool:
-        """Whether "auto" may stage `plan` (its program is built when it is enqueued, piece
-        by piece for a big transfer)."""
+        """Whether "auto" may stage `plan` (its program is built piece by piece later)."""
         return staged_rows(plan, direction == "d2h", self._ring(direction).slab_bytes) is not None
 
     def _warn_once(self, message: str) -> None:
@@ -205,13 +196,10 @@ class CudaBackend(CudaDevice):
             log.warning("kvasync: %s", message)
 
     def calibration(self) -> Calibration:
-        """The device's measured path costs (measured at the first call in the process;
-        that call blocks ~0.3-0.5 s)."""
-        return device_calibration(self.device_id, self._measure)
-
-    def _measure(self) -> Calibration:
-        return measure(self.device_id, self.warm_up, self.alloc_host, self.new_stream,
-                       self._enqueue)
+        """The device's measured path costs (the first call in the process measures them,
+        blocking ~0.3-0.5 s)."""
+        return device_calibration(self.device_id, lambda: measure(
+            self.device_id, self.warm_up, self.alloc_host, self.new_stream, self._enqueue))
 
     # -- copies ---------------------------------------------------------------------------------
     def enqueue_copy(
@@ -223,6 +211,19 @@ class CudaBackend(CudaDevice):
         if plan.num_descriptors == 0:
             return
         self._enqueue(cuda_stream, plan, direction, path)
+
+    def may_overlap(self, path: str, direction: Direction, previous: str) -> bool:
+        """Staged loads after any transfer, staged stores after a staged one: the ring's
+        helper runs every row copy in order (`StagedPath.enqueue` orders the rest)."""
+        return (path == "staged" and self.kernel_available
+                and (direction == "h2d" or previous == "staged"))
+
+    def enqueue_overlapped(
+        self, stream: Stream, pieces: Sequence[TransferPlan], direction: Direction, path: str,
+        overlap: Overlap, marks: Sequence[Event] | None = None,
+    ) -> None:
+        enqueue_staged(stream, pieces, direction, self._concrete, self._enqueue, marks,
+                       overlap)
 
     def enqueue_pieces(
         self, stream: Stream, pieces: Sequence[TransferPlan], direction: Direction, path: str,
@@ -254,7 +255,8 @@ class CudaBackend(CudaDevice):
 
     def _enqueue(self, stream: CudaStream, plan: TransferPlan, direction: Direction,
                  path: str, fan: FanRound | None = None,
-                 edges: tuple[bool, bool] = (True, True), mark: Event | None = None) -> None:
+                 edges: tuple[bool, bool] = (True, True), mark: Event | None = None,
+                 overlap: Overlap | None = None) -> None:
         if self._closed:
             raise TransferFailedError("the cuda backend is closed")
         if not self._ready:
@@ -262,35 +264,34 @@ class CudaBackend(CudaDevice):
         if path in ("kernel", "staged") and self._kernel_error is not None:
             raise TransferFailedError(f"copy kernels unavailable: {self._kernel_error}")
         if cupy().cuda.runtime.getDevice() == self.device_id:  # cheaper than a Device()
-            self._copy(stream, plan, direction, path, fan, edges, mark)
+            self._copy(stream, plan, direction, path, fan, edges, mark, overlap)
         else:
             with self._device():
-                self._copy(stream, plan, direction, path, fan, edges, mark)
+                self._copy(stream, plan, direction, path, fan, edges, mark, overlap)
         self.counts[path] += 1
 
     def _copy(self, stream: CudaStream, plan: TransferPlan, direction: Direction, path: str,
               fan: FanRound | None, edges: tuple[bool, bool] = (True, True),
-              mark: Event | None = None) -> None:
+              mark: Event | None = None, overlap: Overlap | None = None) -> None:
         if path == "kernel":
             self._kernel.copy(stream, plan, direction, self.grid)
         elif path == "staged":
             self._staged.enqueue(self._ring(direction), stream, plan, direction,
-                                 self.staged_grid or DEFAULT_GRID, self._batch, edges, mark)
+                                 self.staged_grid or DEFAULT_GRID, self._batch, edges, mark,
+                                 overlap)
         else:
             self._dma.copy(stream, plan, direction, self._batch, fan,
                            each_runs=self.EACH_RUNS, fan_out=self.FAN_OUT,
                            fan_min_bytes=self.FAN_MIN_BYTES)
 
     def _ring(self, direction: str) -> StagingRing:
-        """The staging ring of `direction` (allocated at first use: `staging_bytes` in
-        `STAGING_BUFFERS` buffers)."""
+        """The staging ring of `direction` (first use: `staging_bytes`, `STAGING_BUFFERS`)."""
         return self._staged.rings.get(direction) or self._staged.ring(
             direction, self, self.staging_bytes, self.STAGING_BUFFERS)
 
     # -- shutdown -------------------------------------------------------------------------------
     def close(self) -> None:
-        """Release staging buffers and device tables (idempotent; in-flight work keeps what
-        it uses alive through its plan)."""
+        """Release staging and tables (idempotent; in-flight work holds what it uses)."""
         if self._closed:
             return
         self._closed = True
@@ -301,6 +302,5 @@ class CudaBackend(CudaDevice):
         self._registered.clear()
 
     def __repr__(self) -> str:
-        state = " closed" if self._closed else ""
-        return (f"<CudaBackend device={self.device_id} paths={self.paths} "
-                f"grid={self.grid}{state}>")
+        return (f"<CudaBackend device={self.device_id} paths={self.paths} grid={self.grid}"
+                f"{' closed' if self._closed else ''}>")

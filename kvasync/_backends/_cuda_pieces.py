@@ -15,7 +15,7 @@ from ._cuda_dma import FanRound
 
 if TYPE_CHECKING:
     from .._program import TransferPlan
-    from ._base import Direction, Event, Stream
+    from ._base import Direction, Event, Overlap, Stream
     from ._cuda_device import CudaStream
     from ._cuda_dma import DmaPath
 
@@ -28,7 +28,8 @@ Concrete = Callable[["Stream", "TransferPlan", "Direction", str], "tuple[CudaStr
 class Enqueue(Protocol):
     def __call__(self, stream: CudaStream, plan: TransferPlan, direction: Direction,
                  path: str, fan: FanRound | None = None,
-                 edges: tuple[bool, bool] = (True, True), mark: Event | None = None) -> None: ...
+                 edges: tuple[bool, bool] = (True, True), mark: Event | None = None,
+                 overlap: Overlap | None = None) -> None: ...
 
 
 def enqueue_fanned(stream: Stream, pieces: Sequence[TransferPlan], direction: Direction,
@@ -73,16 +74,21 @@ def enqueue_fanned(stream: Stream, pieces: Sequence[TransferPlan], direction: Di
 
 def enqueue_staged(stream: Stream, pieces: Sequence[TransferPlan], direction: Direction,
                    concrete: Concrete, enqueue: Enqueue,
-                   marks: Sequence[Event] | None = None) -> None:
+                   marks: Sequence[Event] | None = None,
+                   overlap: Overlap | None = None) -> None:
     """A big staged transfer, piece after piece through one staging ring: each piece's
     program is built as it is enqueued, so the first slab starts after a small piece's
     host work instead of the whole transfer's. Only the first piece waits for the
     stream's position (loads) and only the last makes the stream wait for its last row
     copy (stores): in between the ring's events keep the copy engines busy. A piece's mark
-    follows its last row copy (stores) or unpack (loads)."""
+    follows its last row copy (stores) or unpack (loads). With `overlap` the first piece
+    records its start and the first (loads) or last (stores) waits for its predecessor."""
     cuda_stream, _ = concrete(stream, pieces[0], direction, "staged")
     todo = [k for k, p in enumerate(pieces) if p.num_descriptors]
     first, last = (todo[0], todo[-1]) if todo else (-1, -1)
+    if overlap is not None and not todo:  # nothing to copy: in order, as any transfer
+        cuda_stream.wait_event(overlap.after)
+        cuda_stream.record(overlap.start)
     for k, piece in enumerate(pieces):
         if cuda_stream._error is not None:  # the failed stream marks the rest failed
             for failed in (marks or [])[k:]:
@@ -91,6 +97,6 @@ def enqueue_staged(stream: Stream, pieces: Sequence[TransferPlan], direction: Di
         mark = marks[k] if marks is not None else None
         if piece.num_descriptors:
             enqueue(cuda_stream, piece, direction, "staged", edges=(k == first, k == last),
-                    mark=mark)
+                    mark=mark, overlap=overlap)
         elif mark is not None:
             cuda_stream.record(mark)  # nothing to copy: landed once the stream gets here

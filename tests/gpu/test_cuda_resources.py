@@ -36,7 +36,7 @@ async def test_aclose_releases_every_resource(cp: Any, path: str) -> None:
     res = off._resources()
     assert res == {"completion_threads": 0, "resolver_tasks": 0, "stream_threads": 0,
                    "host_bytes": 0, "inflight": 0}, res
-    assert backend._staging._free == {} and backend._tables == {}
+    assert backend._staging._free == {} and not backend._table_cache.entries
     assert not _cudart.is_registered(host_ptr)  # unpinned on close
     assert threading.active_count() <= threads_before
     await off.aclose()  # twice: a no-op

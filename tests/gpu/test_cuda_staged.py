@@ -143,3 +143,58 @@ def test_unstageable_plans_are_refused_before_anything_is_enqueued() -> None:
     assert off.store(gpu_blocks=[0, 1], cpu_chunks=[0, 1]).wait(30).success
     assert off.backend.counts["staged"] == 0  # type: ignore[attr-defined]
     off.close()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("staging_mib", [4, 64])
+async def test_queued_transfers_overlap_yet_land_in_submission_order(staging_mib: int) -> None:
+    """Transfers queued back to back, staged ones overlapping their predecessor (a staged
+    store packs ahead, a staged load stages rows ahead): every later write to the same
+    chunk or block wins, whatever path came before, and each completes in order with its
+    own device time."""
+    page, blocks, n_t = 16384, 256, 8
+    gpu = [_u8((blocks, page), seed=40 + i) for i in range(n_t)]
+    off = kv.Offloader(kv.KVCacheLayout.from_tensors(gpu), blocks, backend="cuda",
+                       copy_path="staged", staging_bytes=staging_mib << 20)
+    be: Any = off.backend
+    asked: list[tuple[str, str, bool]] = []
+    may = be.may_overlap
+
+    def spy(path: str, direction: str, previous: str) -> bool:
+        ok: bool = may(path, direction, previous)
+        asked.append((path, previous, ok))
+        return ok
+
+    be.may_overlap = spy
+    torch = _torch()
+    compute = torch.cuda.Stream()  # busy ~tens of ms: every transfer is queued behind it
+    rng = np.random.default_rng(5)
+    chunks = rng.permutation(blocks)[:128]
+    srcs = [rng.permutation(blocks)[:128] for _ in range(6)]
+    paths = ["staged", "staged", "dma", "staged", "kernel", "staged"]
+    with torch.cuda.stream(compute):
+        torch.cuda._sleep(50_000_000)
+    stores = [off.store(gpu_blocks=s, cpu_chunks=chunks, path=p, stream=compute)
+              for s, p in zip(srcs, paths)]
+    results = [await t for t in stores]
+    assert [r.job_id for r in results] == sorted(r.job_id for r in results)
+    assert all(r.success and r.seconds > 0 for r in results)
+    ref = [_np(g) for g in gpu]
+    for t in range(n_t):  # the last store of each chunk wins
+        np.testing.assert_array_equal(off.cpu_tensors[t][chunks], ref[t][srcs[-1]])
+    assert asked == [(p, prev, p == prev == "staged") for p, prev in zip(paths[1:], paths)]
+    # loads: six loads into the same blocks from different chunks; the last one wins
+    dst = rng.permutation(blocks)[:128]
+    sets = [rng.permutation(blocks)[:128] for _ in range(6)]
+    lpaths = ["dma", "staged", "staged", "kernel", "staged", "staged"]
+    asked.clear()
+    with torch.cuda.stream(compute):
+        torch.cuda._sleep(50_000_000)
+    loads = [off.load(cpu_chunks=c, gpu_blocks=dst, path=p, stream=compute)
+             for c, p in zip(sets, lpaths)]
+    assert asked == [(p, prev, p == "staged") for p, prev in zip(lpaths[1:], lpaths)]
+    lres = [await t for t in loads]
+    assert all(r.success and r.seconds > 0 for r in lres)
+    for t in range(n_t):
+        np.testing.assert_array_equal(_np(gpu[t])[dst], off.cpu_tensors[t][sets[-1]])
+    await off.aclose()
