@@ -1,8 +1,12 @@
 """interference: each copy path beside a bf16 matmul loop, the way a server runs them.
 
 A thread keeps `DEPTH` bf16 N x N x N matmuls queued on their own stream; transfers of
-`CHUNK` bytes (random blocks of every tensor), two in flight, run on an idle side stream
-(``stream=``, so they never wait for the matmuls) for a window of at least `WINDOW_S`. Each
+`CHUNK` bytes (random blocks of every tensor), `INFLIGHT` in flight, run on an idle side
+stream (``stream=``, so they never wait for the matmuls) for a window of at least
+`WINDOW_S`. On a GPU, `auto` runs a second time (row path ``auto@128MiB``) on an offloader
+with `BIG_STAGING` bytes of staging per direction: the matmul's kernels hold every SM, so
+a pack or unpack runs only between two of them, and the link share is bounded by the
+staging bytes per matmul kernel (docs/performance.md). Each
 row carries the link share as `ratio` (GB/s over the one-direction ceiling) and the matmul's
 kept share as ``extra.tflops_ratio`` (its TFLOP/s in the window over the mean of its rate
 alone at the start and the end). TFLOP/s counts the matmul work that overlaps the window,
@@ -29,6 +33,9 @@ MATMUL_N = 8192
 DEPTH = 6
 WINDOW_S = 0.4
 CHUNK = 64 * MiB
+INFLIGHT = 4
+BIG_STAGING = 128 * MiB
+BIG_PAGES = (4 * KiB, 16 * KiB)
 
 
 class MatmulLoop:
@@ -100,14 +107,14 @@ class MatmulLoop:
 
 def _transfers(off: kv.Offloader, direction: str, path: str, ids: list[tuple[Any, Any]],
                side: Any, keep_going: Callable[[], bool]) -> tuple[int, float]:
-    """(bytes, seconds) of transfers of `ids` (cycled), two in flight, on `side`."""
+    """(bytes, seconds) of transfers of `ids` (cycled), `INFLIGHT` in flight, on `side`."""
     inflight: deque[kv.Transfer] = deque()
     moved, i, t0 = 0, 0, time.perf_counter()
     while keep_going():
         gpu, cpu = ids[i % len(ids)]
         inflight.append(submit(off, direction, gpu, cpu, path=path, stream=side))
         i += 1
-        if len(inflight) >= 2:
+        if len(inflight) >= INFLIGHT:
             moved += inflight.popleft().wait(WAIT_S).bytes
     while inflight:
         moved += inflight.popleft().wait(WAIT_S).bytes
@@ -160,22 +167,29 @@ def _page_rows(ctx: Context, mm: MatmulLoop, side: Any, page: int, chunk: int,
                window: float) -> list[Row]:
     off = ctx.offloader(page)
     ids = [ctx.ids(page, chunk) for _ in range(4)]
+    big: kv.Offloader | None = None
+    if ctx.gpu and not ctx.quick and page in BIG_PAGES and "auto" in ctx.paths:
+        views = ctx.pool_views(page, ctx.tensors)
+        big = ctx.make_offloader(views, len(views[0]), staging_bytes=BIG_STAGING)
     rows: list[Row] = []
     for direction in DIRECTIONS:
         ceil = ctx.ceiling(direction)
-        cases: list[tuple[str, str, int | None]] = [(p, p, None) for p in ctx.paths]
+        cases: list[tuple[str, str, int | None, kv.Offloader]] = [
+            (p, p, None, off) for p in ctx.paths]
         policy = ctx.vllm_policy(direction, page)
         if policy is not None:
-            cases.append(("vllm-policy", *policy))
-        for name, path, ctas in cases:
+            cases.append(("vllm-policy", *policy, off))
+        if big is not None:
+            cases.append((f"auto@{BIG_STAGING // MiB}MiB", "auto", None, big))
+        for name, path, ctas, o in cases:
             ctx.progress(f"{fmt_size(page)} {direction} {name} beside the matmul")
-            with ctx.grid(off, ctas), ctx.ran_paths(off) as ran:
+            with ctx.grid(o, ctas), ctx.ran_paths(o) as ran:
                 gpu, cpu = ids[0]  # warm-up outside the window (tables, first launch)
-                submit(off, direction, gpu, cpu, path=path, stream=side).wait(WAIT_S)
+                submit(o, direction, gpu, cpu, path=path, stream=side).wait(WAIT_S)
 
                 def during(keep_going: Callable[[], bool], direction: str = direction,
-                           path: str = path) -> tuple[int, float]:
-                    return _transfers(off, direction, path, ids, side, keep_going)
+                           path: str = path, o: kv.Offloader = o) -> tuple[int, float]:
+                    return _transfers(o, direction, path, ids, side, keep_going)
 
                 tf, (moved, wall) = mm.measure(during, window, side)
             gbps = moved / wall / 1e9 if wall > 0 else 0.0
@@ -184,8 +198,12 @@ def _page_rows(ctx: Context, mm: MatmulLoop, side: Any, page: int, chunk: int,
                 gbps=round(gbps, 2), ceiling_gbps=round(ceil, 2),
                 values={"tflops": round(tf, 1), "seconds": round(wall, 4),
                         "bytes": float(moved)},
-                note=f"ran {ran.text}" + (f", {ctas} CTAs" if ctas else ""),
-                extra={"ran": ran.text, "transfer_bytes": chunk}))
+                note=f"ran {ran.text}" + (f", {ctas} CTAs" if ctas else "")
+                + (f", {o.staging_bytes // MiB} MiB staging" if o is big else ""),
+                extra={"ran": ran.text, "transfer_bytes": chunk, "in_flight": INFLIGHT,
+                       "staging_bytes": o.staging_bytes}))
+    if big is not None:
+        big.close()
     return rows
 
 
