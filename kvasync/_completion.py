@@ -9,9 +9,10 @@ done-callbacks added from that loop (`Transfer.add_done_callback` inside a loop)
 
 Hybrid polling ("hybrid" mode, the default): a thread wake costs tens of microseconds, far
 more than a small copy takes. So while a transfer some task awaits is predicted to end within
-`SPIN_WINDOW` (the scheduler predicts each transfer's end from its bytes and the measured
-bandwidth), the resolver polls the direction's head event from the loop itself, yielding with
-``sleep(0)`` between polls, and completes the transfer there. Far from the predicted end it
+its window (`_polling.spin_window`: 5% of the predicted time, 0.25-1.5 ms; the scheduler
+predicts each transfer's end from its bytes and its path's measured rate), the resolver
+polls the direction's head event from the loop itself, yielding with ``sleep(0)`` between
+polls, and completes the transfer there. Far from the predicted end it
 sleeps on the wake-up from the completion thread (or a timer set just before the predicted
 end); if the prediction was wrong by more than `SPIN_GRACE` it stops polling and waits for
 the thread. "thread" mode never polls.
@@ -29,7 +30,7 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
-from ._polling import SPIN_GRACE, SPIN_WINDOW, Poller
+from ._polling import SPIN_GRACE, Poller
 from ._threadstate import timed_acquire
 
 if TYPE_CHECKING:
@@ -76,6 +77,19 @@ class _LoopResolver:
         except RuntimeError:  # loop closed: nobody is left to resolve
             self.dead = True
 
+    def queue_done(self, transfer: Transfer, callback: tuple[Any, asyncio.AbstractEventLoop,
+                                                             Any]) -> bool:
+        """On the loop's thread: schedule `callback` of the done `transfer` behind the
+        done-callbacks this resolver has yet to schedule (transfers that completed before
+        it), keeping completion order; False if none are queued (the caller schedules it)."""
+        with self._lock:
+            if not self._ready:
+                return False
+            transfer._attach(self, callback, keep=True)
+            self._ready.append(transfer)
+        self._event.set()
+        return True
+
     def _wake(self) -> None:
         with self._lock:
             self._wake_pending = False
@@ -97,6 +111,14 @@ class _LoopResolver:
             self.dead = True
             self.engine._forget(self)
 
+    @staticmethod
+    def _poll_all(queues: set[Poller]) -> None:
+        for q in queues:
+            try:
+                q.poll()
+            except BaseException:  # a callback's, logged where it was raised: this
+                pass  # task is kvasync's and keeps resolving the loop's awaiters
+
     async def _sleep(self) -> None:
         """Wait for the next completion: poll near a predicted end, else sleep."""
         if not self.engine.poll or not self.waiting:
@@ -107,27 +129,27 @@ class _LoopResolver:
             if not queues:
                 break
             now = time.perf_counter()
-            soonest = None
+            soonest = None  # when the first head's window opens
             for q in queues:
-                eta = q.head_eta()
-                if eta is None:
+                head = q.head_eta()
+                if head is None:
                     continue
+                eta, window = head
                 if now - eta > SPIN_GRACE:  # mispredicted: leave it to the thread
                     continue
-                soonest = eta if soonest is None else min(soonest, eta)
+                soonest = eta - window if soonest is None else min(soonest, eta - window)
             if soonest is None:
                 break
-            if soonest - now > SPIN_WINDOW:
+            if soonest > now:
+                self._poll_all(queues)  # ended before its window: no thread wake needed
+                if self._event.is_set():
+                    return
                 try:
-                    await asyncio.wait_for(self._event.wait(), soonest - now - SPIN_WINDOW)
+                    await asyncio.wait_for(self._event.wait(), soonest - now)
                 except asyncio.TimeoutError:
                     pass
                 continue
-            for q in queues:
-                try:
-                    q.poll()
-                except BaseException:  # a callback's, logged where it was raised: this
-                    pass  # task is kvasync's and keeps resolving the loop's awaiters
+            self._poll_all(queues)
             if self._event.is_set():
                 return
             await asyncio.sleep(0)
@@ -212,10 +234,13 @@ class CompletionEngine:
     def watch(self, transfer: Transfer, callback: tuple[Any, asyncio.AbstractEventLoop, Any]
               ) -> bool:
         """Have the running loop's resolver schedule `callback` (fn, loop, context) once
-        `transfer` is done (a done-callback added inside a loop); False if already done."""
+        `transfer` is done (a done-callback added inside a loop); False if it is done and
+        nothing completed before it waits for the resolver (the caller schedules it)."""
         resolver = self._resolver(callback[1])
         if not transfer._attach(resolver, callback):
-            return False
+            # done already, maybe between the callbacks of earlier transfers and their
+            # scheduling: those run first
+            return resolver.queue_done(transfer, callback)
         resolver.waiting.setdefault(transfer, [])  # watched: the resolver polls near its end
         if self.poll:
             resolver.notify(None)

@@ -59,6 +59,8 @@ class InFlight:
     finished: bool = False
     #: the concrete copy path it ran (its completion teaches that path's rate)
     path: str = ""
+    #: how long before `eta` its waiters poll (`_polling.spin_window`)
+    window: float = SPIN_WINDOW
 
 
 class LaneCompletion:
@@ -171,7 +173,7 @@ class LaneCompletion:
             if head.finished:
                 continue
             now = time.perf_counter()
-            if head.eta - now <= SPIN_WINDOW:
+            if head.eta - now <= head.window:
                 late = head.eta + self.THREAD_GRACE - now
                 if late > 0:
                     with cv:
@@ -181,13 +183,13 @@ class LaneCompletion:
             head.end.synchronize()
             self.poll()
 
-    def head_eta(self) -> float | None:
-        """Predicted completion time (perf_counter) of the oldest unfinished transfer."""
-        fifo = self._fifo
+    def head_eta(self) -> tuple[float, float] | None:
+        """Predicted end (perf_counter) of the oldest unfinished transfer, and its window."""
         try:
-            return fifo[0].eta
+            head = self._fifo[0]
         except IndexError:
             return None
+        return head.eta, head.window
 
     def poll(self) -> int:
         """Complete, in order, every head transfer whose end event is done; never blocks.
@@ -232,8 +234,12 @@ class LaneCompletion:
             if rec.plan.nbytes >= 1 << 20 and seconds > 0:  # learn the link's speed
                 rate = rec.plan.nbytes / seconds
                 self.bandwidth = 0.8 * self.bandwidth + 0.2 * rate
+                # faster samples count at once, slower ones half: a slow first transfer
+                # (tables, staging) left the next predicted late, so their waiters slept
+                # past the end (a thread wake, 0.2-0.4 ms on the H200 host)
                 old = self.path_rate.get(rec.path)
-                self.path_rate[rec.path] = rate if old is None else 0.5 * old + 0.5 * rate
+                self.path_rate[rec.path] = (rate if old is None or rate > old
+                                            else 0.5 * old + 0.5 * rate)
         elif not isinstance(error, TransferFailedError):
             err = TransferFailedError(
                 f"job {rec.transfer.job_id}: {type(error).__name__}: {error}",

@@ -36,6 +36,7 @@ from ._backends import Backend, Direction, Event, Stream
 from ._completion import CompletionEngine
 from ._errors import OffloaderBrokenError, OffloaderClosedError
 from ._lane_launch import LaneLaunch, Launch
+from ._polling import spin_window
 from ._program import TransferPlan
 from ._threadstate import timed_acquire
 from ._transfer import Transfer
@@ -120,6 +121,7 @@ class DirectionQueue(LaneLaunch):
         self._tail_eta = eta
         job.transfer._poller = self
         job.transfer._eta = eta
+        job.transfer._window = spin_window(eta - now)
         self.stats.submitted(job.job_id, job.path, job.plan.nbytes)
 
     @property

@@ -321,3 +321,27 @@ async def test_lazy_thread_with_awaiters_and_waiters(monkeypatch: pytest.MonkeyP
             for k in range(2):
                 assert bytes(off.cpu_tensors[k][i]) == bytes(gpu[k][i])
                 assert bytes(gpu[k][i + 30]) == bytes(gpu[k][i])
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.asyncio
+async def test_a_callback_added_to_a_done_transfer_runs_after_earlier_pending_ones(
+        gate: Gate) -> None:
+    """Transfer 0's loop callback waits for the resolver; transfer 1 completes (on the
+    completion thread) before its callback is added: it still runs second."""
+    gpu = [np.zeros((4, 4096), dtype=np.uint8)]
+    off = kv.Offloader(kv.KVCacheLayout.from_tensors(gpu), 4, 1)
+    try:
+        t0 = off.store(gpu_blocks=[0], cpu_chunks=[0], stream=gate.stream)
+        t1 = off.store(gpu_blocks=[1], cpu_chunks=[1], stream=gate.stream)
+        order: list[int] = []
+        t0.add_done_callback(lambda t: order.append(0))
+        gate.open()
+        t1.wait(10)  # blocks the loop: the resolver has not scheduled t0's callback yet
+        assert t0.done() and order == []
+        t1.add_done_callback(lambda t: order.append(1))
+        await t1
+        await asyncio.sleep(0.01)
+        assert order == [0, 1]
+    finally:
+        await off.aclose()
