@@ -83,7 +83,7 @@ class _LoopResolver:
         done-callbacks this resolver has yet to schedule (transfers that completed before
         it), keeping completion order; False if none are queued (the caller schedules it)."""
         with self._lock:
-            if not self._ready:
+            if not self._ready or self.dead or self.task.done():
                 return False
             transfer._attach(self, callback, keep=True)
             self._ready.append(transfer)

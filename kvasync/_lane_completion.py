@@ -128,14 +128,12 @@ class LaneCompletion:
             if rec.finished:
                 continue
             rec.end.synchronize()
-            self.poll()
+            self.poll(block=True)
 
-    #: lazy thread: an unpolled short transfer completes at most this long after its
-    #: predicted end (or its real end, if later); the thread sleeps at least `TICK` at a
-    #: time and parks (waits to be notified) after `PARK_AFTER` seconds with nothing in flight
-    #: on by default since the H200 comparison of 2026-12-03 (docs/benchmarks/h200/lazy/):
-    #: 4 KiB round trips 66-85 -> 42-54 us p50, store() of 64x128 blocks 123-163 -> 72-82 us
-    #: p50, 64 KiB x 64 tasks 14-15k -> 16.5-19k transfers/s; False restores the eager thread
+    #: lazy thread: an unpolled short transfer completes at most `THREAD_GRACE` after its
+    #: predicted (or real) end; it sleeps `TICK` at least, parks after `PARK_AFTER` idle. On
+    #: the H200 vs the eager thread (False): 4 KiB round trip 66-85 -> 42-54 us p50, 64 KiB x
+    #: 64 tasks 14-15k -> 16.5-19k/s
     LAZY_THREAD = True
     THREAD_GRACE = 0.3e-3
     TICK = 0.5e-3
@@ -173,7 +171,7 @@ class LaneCompletion:
             if head.finished:
                 continue
             now = time.perf_counter()
-            if head.eta - now <= head.window:
+            if head.eta - now <= SPIN_WINDOW:  # near: its pollers' (no thread hand-off)
                 late = head.eta + self.THREAD_GRACE - now
                 if late > 0:
                     with cv:
@@ -181,7 +179,7 @@ class LaneCompletion:
                             cv.wait(max(late, self.TICK))
                     continue
             head.end.synchronize()
-            self.poll()
+            self.poll(block=True)
 
     def head_eta(self) -> tuple[float, float] | None:
         """Predicted end (perf_counter) of the oldest unfinished transfer, and its window."""
@@ -191,21 +189,21 @@ class LaneCompletion:
             return None
         return head.eta, head.window
 
-    def poll(self) -> int:
-        """Complete, in order, every head transfer whose end event is done; never blocks.
-
-        Called by the completion thread after each blocking wait and by loop resolvers that
-        poll near a transfer's predicted end, so a result reaches an awaiting task without a
-        thread hop. Returns how many transfers it completed.
-        """
-        done = 0
-        idle = False
-        with self._finish_lock:
+    def poll(self, block: bool = False) -> int:
+        """Complete, in order, every head transfer whose end event is done; how many. For
+        waiters and loop resolvers near a predicted end (no thread hop): never blocks (0
+        while another thread completes, maybe in a slow callback). The completion threads
+        `block`: a poll skipped there could leave a done transfer uncompleted."""
+        done, idle = 0, False
+        if not self._finish_lock.acquire(blocking=block):
+            return 0  # another thread is completing (maybe running a slow callback)
+        try:
             while self._fifo and self._fifo[0].end.query():
                 rec = self._fifo.popleft()
-                rec.finished = True
+                rec.finished, done = True, done + 1
                 idle = self._finish(rec)
-                done += 1
+        finally:
+            self._finish_lock.release()
         if done:
             if idle and self.closed and self.on_idle is not None:
                 self.on_idle()  # a close that could not wait for this transfer releases now

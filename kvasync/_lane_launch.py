@@ -124,12 +124,15 @@ class LaneLaunch(LaneCompletion):
             start, end = self._event(), self._event()
             if job.order is not None:
                 stream.wait_event(job.order)
-            if self._last_end is not None and stream is not self._last_stream:
-                # same stream: already in order
-                if self.backend.may_overlap(path, self.direction, self._last_path):
-                    overlap = Overlap(self._last_end, start)  # the backend waits for it
+            last = self._last_end
+            if last is not None and stream is not self._last_stream:
+                # same stream: already in order; a predecessor whose end carries a failure
+                # is waited for first (the failure reaches this stream before any copy)
+                if (last.error() is None
+                        and self.backend.may_overlap(path, self.direction, self._last_path)):
+                    overlap = Overlap(last, start)  # the backend waits for it
                 else:
-                    stream.wait_event(self._last_end)
+                    stream.wait_event(last)
             if overlap is None:
                 stream.record(start)
         except Exception as exc:
@@ -161,7 +164,13 @@ class LaneLaunch(LaneCompletion):
             return self._refused_launch(job, stream, exc, raise_refusal)
         self._last_end = end
         self._last_stream = stream
-        self._last_path = path
+        # what a successor may overlap: the path of the last transfer that enqueued a copy
+        # (an empty one leaves an earlier one's writes unordered by its path), none after
+        # a failed enqueue
+        if error is not None:
+            self._last_path = ""
+        elif plan.num_descriptors:
+            self._last_path = path
         return InFlight(job.transfer, plan, stream, start, end, job.order, error, 0.0,
                         path=path)
 

@@ -71,12 +71,9 @@ class MemoryGuard:
     """A check, cheap enough for every submit, that arrays still own the memory their
     addresses were read from.
 
-    torch: each tensor's ``data_ptr()``, in one call (the storage objects are kept, so a
-    tensor moved to other memory by ``set_`` leaves its old memory alive for copies already
-    queued). A storage ``resize_`` always allocates anew (or frees, to a null pointer)
-    before it lets go of the old memory, so it moves every tensor on it: the pointers tell.
-    Their byte sizes, read one by one (~60 us for 128 storages on the H200 host), only name
-    the array in the error. CuPy: ``data.ptr``. NumPy: nothing per call; a
+    torch: each tensor's ``data_ptr()`` and the byte size of each of their storages (the
+    storage objects are kept, so a tensor moved to other memory by ``set_`` leaves its old
+    memory alive for copies already queued). CuPy: ``data.ptr``. NumPy: nothing per call; a
     weak reference to every array of the owner chain makes NumPy refuse to resize them in
     place (even with ``refcheck=False``); a torch storage behind a NumPy array (``.numpy()``)
     cannot be resized (torch refuses) and is kept by that array. `keepalive` lists what
@@ -111,9 +108,11 @@ class MemoryGuard:
                 self._cupy.append((i, obj, info.ptr))
         torch = sys.modules.get("torch")  # loaded if any array is a torch tensor
         self._data_ptr: Callable[[Any], int] = _no_torch
+        self._nbytes: Callable[[Any], int] = _no_torch
         self._ptrs_equal: Callable[[], bool] = self._ptrs_equal_py
         if torch is not None:
             self._data_ptr = torch.Tensor.data_ptr
+            self._nbytes = torch.UntypedStorage.nbytes
             self._ptrs_equal = self._batched(torch) or self._ptrs_equal_py
 
     def _add_storage(self, i: int, storage: Any, seen: set[int]) -> None:
@@ -152,8 +151,12 @@ class MemoryGuard:
         if not (self._tensors or self._cupy):  # NumPy only: nothing can move
             return
         try:
-            ok = ((not self._tensors or self._ptrs_equal())
-                  and all(int(a.data.ptr) == p for _, a, p in self._cupy))
+            ok = (
+                (not self._tensors or self._ptrs_equal())
+                and (not self._storages
+                     or list(map(self._nbytes, self._storages)) == self._st_bytes)
+                and all(int(a.data.ptr) == p for _, a, p in self._cupy)
+            )
         except Exception:
             ok = False
         if not ok:

@@ -98,7 +98,7 @@ class Overlap:
     """How a transfer may start before its lane predecessor ends (`Backend.may_overlap`):
     whatever it writes at its destination, and its end event, must follow `after` (the
     predecessor's end); the rest (reading its source, staging) may run ahead. `start` is
-    recorded where its own data movement begins, so its device time excludes the wait."""
+    recorded where its own data movement begins (its device time counts from there)."""
 
     after: Event
     start: Event

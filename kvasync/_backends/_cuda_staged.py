@@ -23,7 +23,7 @@ row copies, and every slab of a store+load at once waited for it); a load's is c
 the helper stream ahead of its row copies (a kernel there would hold the first row copy
 until a model's kernel frees the SMs); per slab one kernel launch
 (the table kernel over a staging `RefTable` of its buffer), one DMA call
-(`cudaMemcpyAsync` for up to 4 runs, else one `cuMemcpyBatchAsync`) and four event calls.
+(`cudaMemcpyAsync` for one run, else one `cuMemcpyBatchAsync`) and four event calls.
 Host work does not grow with the number of KV tensors.
 """
 

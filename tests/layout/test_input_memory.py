@@ -450,3 +450,17 @@ def test_memory_check_runs_before_anything_is_enqueued_from_any_thread() -> None
     assert off._resources()["inflight"] == 0
     assert all(q.last_transfer is None for q in off._queues.values())
     off.close()
+
+
+def test_a_storage_freed_and_reallocated_smaller_is_refused() -> None:
+    """Two resizes may land the new, smaller allocation at the old address (allocators reuse
+    freed blocks): the pointer check alone would pass, the size check refuses it."""
+    torch = pytest.importorskip("torch")
+    x = torch.zeros((16, 1 << 16), dtype=torch.uint8)
+    off = kv.Offloader(kv.KVCacheLayout.from_tensors([x]), 16, backend="host")
+    st = x.untyped_storage()
+    st.resize_(0)
+    st.resize_(8 << 16)
+    with pytest.raises(kv.InvalidTransferError, match="storage was freed or resized"):
+        off.store(gpu_blocks=[0], cpu_chunks=[0])
+    off.close()

@@ -110,3 +110,66 @@ def test_the_host_backend_never_overlaps() -> None:
     assert HostBackend().may_overlap("staged", "h2d", "staged") is False
     with pytest.raises(NotImplementedError):
         HostBackend().enqueue_overlapped(None, [], "h2d", "staged", None)  # type: ignore[arg-type]
+
+
+@pytest.mark.timeout(60)
+def test_an_empty_transfer_does_not_stand_for_the_writes_before_it(gate: Gate) -> None:
+    """An empty staged store enqueues nothing on the staged path: a staged store after it
+    must still wait for the memmove store before it, whose writes it does not follow."""
+    backend = OverlappingHost({"staged"}, {"staged"})
+    off, _ = _offloader(backend)
+    try:
+        ts = [off.store(gpu_blocks=[0], cpu_chunks=[0], path="memmove", stream=gate.stream),
+              off.store(gpu_blocks=[], cpu_chunks=[], path="staged", stream=gate.stream),
+              off.store(gpu_blocks=[1], cpu_chunks=[0], path="staged", stream=gate.stream)]
+        assert [a[2] for a in backend.asked] == ["memmove", "memmove"]
+        assert backend.overlaps == []
+        gate.open()
+        for t in ts:
+            t.wait(30)
+    finally:
+        gate.open()
+        off.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_predecessor_is_waited_for(gate: Gate) -> None:
+    backend = OverlappingHost({"staged"}, {"staged"})
+    off, _ = _offloader(backend)
+    lane = off._queues[("d2h", False)]
+    try:
+        first = off.store(gpu_blocks=[0], cpu_chunks=[0], path="staged", stream=gate.stream)
+        end = lane._last_end
+        end.error = lambda: RuntimeError("captured at record")  # type: ignore[method-assign]
+        second = off.store(gpu_blocks=[1], cpu_chunks=[1], path="staged", stream=gate.stream)
+        del end.error  # type: ignore[attr-defined]
+        assert backend.overlaps == [] and backend.asked == []
+        gate.open()
+        first.wait(30), second.wait(30)
+    finally:
+        gate.open()
+        off.close()
+
+
+def test_poll_never_blocks_on_a_completion_in_progress() -> None:
+    import threading
+
+    gpu = [np.zeros((BLOCKS, PAGE), dtype=np.uint8)]
+    off = kv.Offloader(kv.KVCacheLayout.from_tensors(gpu), BLOCKS, 1)
+    lane = off._queues[("d2h", False)]
+    held, release = threading.Event(), threading.Event()
+
+    def completing() -> None:  # another thread inside a completion (a slow callback)
+        with lane._finish_lock:
+            held.set()
+            release.wait(10)
+
+    th = threading.Thread(target=completing)
+    th.start()
+    try:
+        assert held.wait(10)
+        assert lane.poll() == 0  # returns at once instead of waiting for that thread
+    finally:
+        release.set()
+        th.join(10)
+        off.close()
