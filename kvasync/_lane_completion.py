@@ -128,7 +128,7 @@ class LaneCompletion:
             if rec.finished:
                 continue
             rec.end.synchronize()
-            self.poll(block=True)
+            self.poll()
 
     #: lazy thread: an unpolled short transfer completes at most `THREAD_GRACE` after its
     #: predicted (or real) end; it sleeps `TICK` at least, parks after `PARK_AFTER` idle. On
@@ -179,7 +179,7 @@ class LaneCompletion:
                             cv.wait(max(late, self.TICK))
                     continue
             head.end.synchronize()
-            self.poll(block=True)
+            self.poll()
 
     def head_eta(self) -> tuple[float, float] | None:
         """Predicted end (perf_counter) of the oldest unfinished transfer, and its window."""
@@ -189,21 +189,17 @@ class LaneCompletion:
             return None
         return head.eta, head.window
 
-    def poll(self, block: bool = False) -> int:
-        """Complete, in order, every head transfer whose end event is done; how many. For
-        waiters and loop resolvers near a predicted end (no thread hop): never blocks (0
-        while another thread completes, maybe in a slow callback). The completion threads
-        `block`: a poll skipped there could leave a done transfer uncompleted."""
+    def poll(self) -> int:
+        """Complete, in order, every head transfer whose end event is done; how many.
+        Called by the completion thread after each blocking wait, and by waiters and loop
+        resolvers near a predicted end (a result then reaches them without a thread hop)."""
         done, idle = 0, False
-        if not self._finish_lock.acquire(blocking=block):
-            return 0  # another thread is completing (maybe running a slow callback)
-        try:
+        with self._finish_lock:
             while self._fifo and self._fifo[0].end.query():
                 rec = self._fifo.popleft()
-                rec.finished, done = True, done + 1
+                rec.finished = True
                 idle = self._finish(rec)
-        finally:
-            self._finish_lock.release()
+                done += 1
         if done:
             if idle and self.closed and self.on_idle is not None:
                 self.on_idle()  # a close that could not wait for this transfer releases now
