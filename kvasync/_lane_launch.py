@@ -157,6 +157,8 @@ class LaneLaunch(LaneCompletion):
         except Exception as exc:  # an API error: the copy never got (fully) enqueued
             error = exc
         try:
+            if error is not None and overlap is not None:
+                stream.wait_event(overlap.after)  # the backend may not have got that far
             stream.record(end)
             if job.signal is not None:
                 stream.record(job.signal)

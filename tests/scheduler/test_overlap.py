@@ -14,7 +14,7 @@ from support import Gate
 
 import kvasync as kv
 from kvasync._backends import Direction, Event, Overlap, Stream
-from kvasync._backends._host import HostBackend
+from kvasync._backends._host import HostBackend, HostStream
 from kvasync._program import TransferPlan
 
 PAGE, BLOCKS = 4096, 16
@@ -150,3 +150,35 @@ def test_a_failed_predecessor_is_waited_for(gate: Gate) -> None:
         gate.open()
         off.close()
 
+
+
+class FailingOverlap(OverlappingHost):
+    """Raises from the overlapped enqueue before it waited for the predecessor."""
+
+    def enqueue_overlapped(self, stream: Stream, pieces: Sequence[TransferPlan],
+                           direction: Direction, path: str, overlap: Overlap,
+                           marks: Sequence[Event] | None = None) -> None:
+        self.overlaps.append(overlap)
+        raise RuntimeError("the device refused the row copies")
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_overlapped_enqueue_still_ends_after_its_predecessor(gate: Gate) -> None:
+    backend = FailingOverlap({"staged"}, {"staged"})
+    off, _ = _offloader(backend)
+    lane = off._queues[("d2h", False)]
+    try:
+        first = off.store(gpu_blocks=[0], cpu_chunks=[0], path="staged", stream=gate.stream)
+        idle = HostStream(name="test-idle")  # the second waits for no compute
+        second = off.store(gpu_blocks=[1], cpu_chunks=[1], path="staged", stream=idle)
+        assert len(backend.overlaps) == 1
+        end = lane._last_end
+        assert end is not None and not end.synchronize(0.2)  # held behind the first
+        assert lane._last_path == ""  # nobody overlaps a failed enqueue
+        gate.open()
+        assert first.wait(30).success
+        with pytest.raises(kv.TransferFailedError):
+            second.wait(30)
+    finally:
+        gate.open()
+        off.close()
