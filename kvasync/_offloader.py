@@ -52,7 +52,10 @@ class Offloader:
     The host copy is row-contiguous: one row per CPU chunk holding every KV tensor's
     `blocks_per_chunk` sub-blocks side by side (tensors ordered by KV-cache group), so the
     "staged" copy path moves whole rows; `cpu_tensors` are per-tensor (strided) views.
-    `staging_bytes` sets the staged path's staging memory per direction. `host_tensors`
+    `staging_bytes` sets the staged path's staging memory per direction (CUDA default
+    64 MiB): beside a model whose kernels hold every SM, the copy engines run ahead of the
+    packs only as far as it reaches (docs/performance.md), so more keeps the link busier
+    there. `host_tensors`
     (one caller-owned CPU array per KV tensor, rows of `blocks_per_chunk` pages; rows give
     `num_cpu_chunks` by default) replace the host copy: they stay the caller's, pinned by
     kvasync if need be and unpinned at close; the staged path needs rows and is not offered.
