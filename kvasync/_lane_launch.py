@@ -166,9 +166,9 @@ class LaneLaunch(LaneCompletion):
             return self._refused_launch(job, stream, exc, raise_refusal)
         self._last_end = end
         self._last_stream = stream
-        # what a successor may overlap: the path of the last transfer that enqueued a copy
-        # (an empty one leaves an earlier one's writes unordered by its path), none after
-        # a failed enqueue
+        # the path a successor's `may_overlap` is asked about: that of the last transfer
+        # that enqueued a copy (an empty one leaves an earlier one's writes unordered by
+        # its path); after a failed enqueue, none a store may overlap
         if error is not None:
             self._last_path = ""
         elif plan.num_descriptors:

@@ -117,7 +117,7 @@ def test_an_empty_transfer_does_not_stand_for_the_writes_before_it(gate: Gate) -
     """An empty staged store enqueues nothing on the staged path: a staged store after it
     must still wait for the memmove store before it, whose writes it does not follow."""
     backend = OverlappingHost({"staged"}, {"staged"})
-    off, _ = _offloader(backend)
+    off, gpu = _offloader(backend)
     try:
         ts = [off.store(gpu_blocks=[0], cpu_chunks=[0], path="memmove", stream=gate.stream),
               off.store(gpu_blocks=[], cpu_chunks=[], path="staged", stream=gate.stream),
@@ -127,6 +127,8 @@ def test_an_empty_transfer_does_not_stand_for_the_writes_before_it(gate: Gate) -
         gate.open()
         for t in ts:
             t.wait(30)
+        for k in range(2):  # the last store of chunk 0 wins
+            np.testing.assert_array_equal(off.cpu_tensors[k][0], gpu[k][1])
     finally:
         gate.open()
         off.close()
@@ -151,7 +153,6 @@ def test_a_failed_predecessor_is_waited_for(gate: Gate) -> None:
         off.close()
 
 
-
 class FailingOverlap(OverlappingHost):
     """Raises from the overlapped enqueue before it waited for the predecessor."""
 
@@ -167,9 +168,9 @@ def test_a_failed_overlapped_enqueue_still_ends_after_its_predecessor(gate: Gate
     backend = FailingOverlap({"staged"}, {"staged"})
     off, _ = _offloader(backend)
     lane = off._queues[("d2h", False)]
+    idle = HostStream(name="test-idle")  # the second waits for no compute
     try:
         first = off.store(gpu_blocks=[0], cpu_chunks=[0], path="staged", stream=gate.stream)
-        idle = HostStream(name="test-idle")  # the second waits for no compute
         second = off.store(gpu_blocks=[1], cpu_chunks=[1], path="staged", stream=idle)
         assert len(backend.overlaps) == 1
         end = lane._last_end
@@ -182,3 +183,4 @@ def test_a_failed_overlapped_enqueue_still_ends_after_its_predecessor(gate: Gate
     finally:
         gate.open()
         off.close()
+        idle.close()
