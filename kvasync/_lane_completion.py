@@ -59,8 +59,6 @@ class InFlight:
     finished: bool = False
     #: the concrete copy path it ran (its completion teaches that path's rate)
     path: str = ""
-    #: how long before `eta` its waiters poll (`_polling.spin_window`)
-    window: float = SPIN_WINDOW
 
 
 class LaneCompletion:
@@ -187,7 +185,7 @@ class LaneCompletion:
             head = self._fifo[0]
         except IndexError:
             return None
-        return head.eta, head.window
+        return head.eta, head.transfer._window
 
     def poll(self) -> int:
         """Complete, in order, every head transfer whose end event is done; how many.

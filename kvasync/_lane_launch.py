@@ -179,7 +179,6 @@ class LaneLaunch(LaneCompletion):
     def _add(self, rec: InFlight) -> None:
         """Hand `rec` to the completion side (under the lock)."""
         rec.eta = rec.transfer._eta
-        rec.window = rec.transfer._window
         self._fifo.append(rec)  # deque appends are atomic; order is set by self._lock
         if not self.lazy:
             self._pending.put(rec)

@@ -190,7 +190,6 @@ class Transfer(FutureMethods):
             lead = self._eta - self._window - start
             if lead > 0:
                 q.poll()  # already over (one event query): no thread wake needed
-            if lead > 0 and not self.done():
                 with self._cond:
                     self._cond.wait_for(self.done, lead if timeout is None else min(
                         lead, timeout))

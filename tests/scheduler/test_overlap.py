@@ -21,11 +21,12 @@ PAGE, BLOCKS = 4096, 16
 
 
 class OverlappingHost(HostBackend):
-    """The host backend, overlapping every transfer of `paths` after one of `after_paths`."""
+    """The host backend, overlapping every transfer of `paths` after one of `after_paths`
+    (`fail`: the overlapped enqueue raises before it waited for the predecessor)."""
 
-    def __init__(self, paths: set[str], after_paths: set[str]) -> None:
+    def __init__(self, paths: set[str], after_paths: set[str], fail: bool = False) -> None:
         super().__init__()
-        self.overlap_paths, self.after_paths = paths, after_paths
+        self.overlap_paths, self.after_paths, self.fail = paths, after_paths, fail
         self.asked: list[tuple[str, str, str]] = []
         self.overlaps: list[Overlap] = []
 
@@ -37,6 +38,8 @@ class OverlappingHost(HostBackend):
                            direction: Direction, path: str, overlap: Overlap,
                            marks: Sequence[Event] | None = None) -> None:
         self.overlaps.append(overlap)
+        if self.fail:
+            raise RuntimeError("the device refused the row copies")
         stream.wait_event(overlap.after)
         stream.record(overlap.start)
         if marks is None:
@@ -153,19 +156,9 @@ def test_a_failed_predecessor_is_waited_for(gate: Gate) -> None:
         off.close()
 
 
-class FailingOverlap(OverlappingHost):
-    """Raises from the overlapped enqueue before it waited for the predecessor."""
-
-    def enqueue_overlapped(self, stream: Stream, pieces: Sequence[TransferPlan],
-                           direction: Direction, path: str, overlap: Overlap,
-                           marks: Sequence[Event] | None = None) -> None:
-        self.overlaps.append(overlap)
-        raise RuntimeError("the device refused the row copies")
-
-
 @pytest.mark.timeout(60)
 def test_a_failed_overlapped_enqueue_still_ends_after_its_predecessor(gate: Gate) -> None:
-    backend = FailingOverlap({"staged"}, {"staged"})
+    backend = OverlappingHost({"staged"}, {"staged"}, fail=True)
     off, _ = _offloader(backend)
     lane = off._queues[("d2h", False)]
     idle = HostStream(name="test-idle")  # the second waits for no compute
