@@ -279,9 +279,10 @@ class Context:
         """GB/s of one contiguous copy of `total` bytes in `direction` (median, cached)."""
         return self._ceilings.ceiling(direction)
 
-    def bidirectional_ceiling(self) -> float:
-        """GB/s (both directions summed) of two contiguous copies at once, one each way."""
-        return self._ceilings.bidirectional()
+    def bidirectional_ceiling(self) -> tuple[float, dict[str, float]]:
+        """GB/s (both directions summed) of two contiguous copies at once, one each way (the
+        best of the variants tried), and each variant's GB/s."""
+        return self._ceilings.bidirectional(), dict(self._ceilings.variants)
 
     def sync_round_trips(self, nbytes: int, reps: int, warm: int) -> list[float]:
         """Seconds of `cudaMemcpyAsync` (pinned host -> device) + `cudaStreamSynchronize`,
