@@ -6,7 +6,9 @@ its base) and its submission (`_scheduler.DirectionQueue`, its subclass): a subm
 either launches at once on the caller's thread (`_launch`, then `_add` hands the record to
 the completion side) or queues a `Launch` for the launcher thread (`_launch_loop`), which
 does the same in submission order. Big staged stores are deferred (`_deferred`): their
-slabs cost the host ~1 ms to enqueue, which the caller need not wait for.
+slabs cost the host ~1 ms to enqueue, which the caller need not wait for. A big staged load
+is split (`_split_at`): its caller enqueues the first pieces, so the copy starts at once,
+and the launcher the rest (`Rest`). The sizes live in `_lane_pieces`.
 """
 
 from __future__ import annotations
@@ -21,16 +23,29 @@ from ._backends import Backend, Direction, Event, Overlap, Stream
 from ._completion import CompletionEngine
 from ._errors import OffloaderBrokenError
 from ._lane_completion import InFlight, LaneCompletion
+from ._lane_pieces import PieceSizes
 from ._program import TransferPlan
 from ._threadstate import mark_library_thread, timed_acquire
 from ._transfer import Transfer
 
-__all__ = ["LaneLaunch", "Launch"]
+__all__ = ["LaneLaunch", "Launch", "Rest"]
+
+
+@dataclass
+class Rest:
+    """The later pieces of a big load whose first pieces the caller enqueued on `stream`
+    between `start` and the `end` still to be recorded (`LaneLaunch._split_at`)."""
+
+    stream: Stream
+    start: Event
+    end: Event
+    pieces: list[TransferPlan]
+    marks: list[Event] | None
 
 
 @dataclass
 class Launch:
-    """A submitted transfer the lane has yet to enqueue on a stream."""
+    """A submitted transfer the lane has yet to enqueue on a stream (or to finish: `rest`)."""
 
     transfer: Transfer
     plan: TransferPlan
@@ -38,6 +53,7 @@ class Launch:
     path: str
     order: Event | None
     signal: Event | None
+    rest: Rest | None = None
 
 
 class _Reached(Event):
@@ -57,7 +73,7 @@ class _Reached(Event):
         return 0.0
 
 
-class LaneLaunch(LaneCompletion):
+class LaneLaunch(LaneCompletion, PieceSizes):
     """The launch half of a lane: pools, the enqueue of one transfer, the launcher thread."""
 
     def __init__(self, backend: Backend, direction: Direction, engine: CompletionEngine,
@@ -73,6 +89,8 @@ class LaneLaunch(LaneCompletion):
         self._last_path = ""
         self._launcher: threading.Thread | None = None
         self._launch_ready = threading.Condition(self._lock)
+        #: notified when the launcher has emptied `_launches` (`_wait_launched`)
+        self._launched = threading.Condition(self._lock)
 
     # -- pools (called under the lock) --------------------------------------------------------
     def _stream(self) -> Stream:
@@ -110,12 +128,16 @@ class LaneLaunch(LaneCompletion):
         return InFlight(job.transfer, job.plan, cast(Stream, stream), done, done, None,
                         self._refused(job.job_id, exc), 0.0, path=job.path)
 
-    def _launch(self, job: Launch, raise_refusal: bool = False) -> InFlight:
+    def _launch(self, job: Launch, raise_refusal: bool = False) -> InFlight | None:
         """Enqueue `job` on a stream behind the lane's last transfer (under the lock): wait
         for its order event, record start, the copy, end (and its signal).
 
         A device that refuses the stream calls raises (`raise_refusal`, the caller's
-        thread) or fails the transfer through an already-complete end (the launcher)."""
+        thread) or fails the transfer through an already-complete end (the launcher).
+        On the caller's thread a big load may stop after its first pieces (`_split_at`):
+        None, and `job.rest` holds what the launcher finishes (`_finish_rest`)."""
+        if job.rest is not None:
+            return self._finish_rest(job, job.rest)
         plan, path = job.plan, job.path
         stream: Stream | None = None
         overlap: Overlap | None = None
@@ -147,15 +169,42 @@ class LaneLaunch(LaneCompletion):
                 # published before the pieces are enqueued, so progress advances while a
                 # slow enqueue goes on (it counts a mark once it is recorded and reached)
                 job.transfer._marks = list(zip(marks, accumulate(p.nbytes for p in pieces)))
+            head = (self._split_at(path, job.signal, len(pieces)) if raise_refusal
+                    else len(pieces))
+            now = pieces[:head]
+            now_marks = None if marks is None else marks[:head]
+            split = {"edges": (True, False)} if head < len(pieces) else {}
             if overlap is not None:
-                self.backend.enqueue_overlapped(stream, pieces, self.direction, path, overlap,
-                                                marks)
-            elif marks is None:
+                self.backend.enqueue_overlapped(stream, now, self.direction, path, overlap,
+                                                now_marks, **split)
+            elif now_marks is None:
                 self.backend.enqueue_copy(stream, plan, self.direction, path)
             else:
-                self.backend.enqueue_pieces(stream, pieces, self.direction, path, marks)
+                self.backend.enqueue_pieces(stream, now, self.direction, path, now_marks,
+                                            **split)
+            if split:
+                job.rest = Rest(stream, start, end, pieces[head:],
+                                None if marks is None else marks[head:])
+                return None
         except Exception as exc:  # an API error: the copy never got (fully) enqueued
             error = exc
+        return self._record_end(job, stream, start, end, overlap, error, raise_refusal)
+
+    def _finish_rest(self, job: Launch, rest: Rest) -> InFlight:
+        """The launcher's half of a split load: its later pieces, then `_record_end`."""
+        error: BaseException | None = None
+        try:
+            self.backend.enqueue_pieces(rest.stream, rest.pieces, self.direction, job.path,
+                                        rest.marks, edges=(False, True))
+        except Exception as exc:
+            error = exc
+        return self._record_end(job, rest.stream, rest.start, rest.end, None, error, False)
+
+    def _record_end(self, job: Launch, stream: Stream, start: Event, end: Event,
+                overlap: Overlap | None, error: BaseException | None,
+                raise_refusal: bool) -> InFlight:
+        """Record `job`'s end (and signal) after its copy and make it the lane's last."""
+        plan, path = job.plan, job.path
         try:
             if error is not None and overlap is not None:
                 stream.wait_event(overlap.after)  # the backend may not have got that far
@@ -187,71 +236,6 @@ class LaneLaunch(LaneCompletion):
                 if self._parked:
                     self._cv.notify()
 
-    #: bytes per piece of a big transfer (about 0.6 ms of PCIe time) and the fewest slots.
-    #: Pieces bound how long a DMA transfer holds the copy engines (which ignore stream
-    #: priority), so an urgent transfer gets through; kernel copies share the link with an
-    #: urgent lane's kernel anyway, so they are cut only into `KERNEL_PIECE_BYTES` pieces,
-    #: which lets the device start while the host packs the rest (each piece costs a pack
-    #: and a launch, a quarter of a mid-size store's host time at 32 MiB)
-    PIECE_BYTES = 32 << 20
-    KERNEL_PIECE_BYTES = 256 << 20
-    MIN_PIECE_SLOTS = 2048
-
-    #: the first piece of a big transfer is this small (then 4x per piece up to the limit):
-    #: packing 256 MiB of 4 KiB pages took ~0.5 ms on the H200 host, time in which the
-    #: device sat idle; 8 MiB packs in tens of microseconds
-    FIRST_PIECE_BYTES = 8 << 20
-    MIN_FIRST_SLOTS = 256
-    #: a staged transfer up to this size is one program (its build is short)
-    STAGED_WHOLE_BYTES = 64 << 20
-
-    def _piece_bytes(self, path: str) -> int:
-        # staged pieces pipeline through one staging ring like one program; a piece's
-        # program is built when it is enqueued, so the first slab need not wait for a whole
-        # gigabyte's (~3 ms of host time at 4 KiB pages on the H200 host). They grow to the
-        # kernel's size: at 32 MiB each piece's job upload and table lookups cost the H200
-        # 1 GiB staged transfers 5-8% of their device time
-        return self.KERNEL_PIECE_BYTES if path in ("kernel", "staged") else self.PIECE_BYTES
-
-    def _whole_bytes(self, path: str) -> int:
-        """Transfers up to this size on `path` are never cut (checked before any slot
-        count: this runs on every submission)."""
-        return self.STAGED_WHOLE_BYTES if path == "staged" else self._piece_bytes(path)
-
-    def _piece_slots(self, plan: TransferPlan, path: str = "dma") -> tuple[int, int]:
-        """(slots per piece, slots of the first piece) for a big `plan` on `path`.
-
-        Staged pieces are sized in bytes only: a slot there is a block of every KV tensor
-        (1 MiB at 16 KiB pages x 64 tensors), and the slot floors below, set for the
-        descriptor paths, made a 1 GiB transfer of 16 KiB pages one piece whose whole
-        program (~1.8 ms of host time on the H200 host) was built before its first row
-        copy started."""
-        limit = self._piece_bytes(path)
-        staged = path == "staged"
-        slots = sum(len(s.src_slots) for s in plan.segments)
-        if slots == 0 or plan.nbytes <= self._whole_bytes(path):
-            return max(slots, 1), max(slots, 1)
-        per_slot = plan.nbytes / slots
-        floor_most, floor_first = ((1, 1) if staged
-                                   else (self.MIN_PIECE_SLOTS, self.MIN_FIRST_SLOTS))
-        most = max(floor_most, int(limit / per_slot))
-        if slots <= most and not staged:
-            return slots, slots
-        first = max(floor_first, int(self.FIRST_PIECE_BYTES / per_slot))
-        return most, min(first, most)
-
-    #: staged stores of at least this many bytes are enqueued by the lane's launcher thread
-    #: (the caller only validates, builds the plan and records the order event): a 64 x 128
-    #: blocks store of 16 KiB pages spent ~1.5 ms enqueueing its slabs on the H200 host
-    DEFER_MIN_BYTES = 4 << 20
-    DEFER_PATHS = frozenset({"staged"})
-
-    def _deferred(self, plan: TransferPlan, path: str, signal: Event | None) -> bool:
-        # loads stay on the caller's thread: a compute stream may wait on their events as
-        # soon as load() returns, and waiting on an event not yet recorded does not wait
-        return (self.direction == "d2h" and signal is None and path in self.DEFER_PATHS
-                and plan.nbytes >= self.DEFER_MIN_BYTES)
-
     def _ensure_launcher(self) -> None:
         if self._launcher is None:
             self._launcher = threading.Thread(target=self._launch_loop,
@@ -276,7 +260,20 @@ class LaneLaunch(LaneCompletion):
                     rec = self._launch(job)
                 finally:
                     self._launches.popleft()
-                self._add(rec)
+                    if not self._launches:
+                        self._launched.notify_all()
+                if rec is not None:
+                    self._add(rec)
+
+    def _wait_launched(self) -> None:
+        """Wait (under the lock, released meanwhile) until the launcher has enqueued every
+        deferred transfer: a transfer with a signal must be enqueued by its caller."""
+        while self._launches:
+            thread = self._launcher
+            if thread is None or not thread.is_alive():
+                raise OffloaderBrokenError(
+                    f"the {self.direction} launcher thread stopped with transfers queued")
+            self._launched.wait(0.05)
 
     def request_stop(self, lock_timeout: float | None = None) -> None:
         """Tell the completion thread and the launcher to exit once idle; no waiting."""

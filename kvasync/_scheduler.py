@@ -77,7 +77,9 @@ class DirectionQueue(LaneLaunch):
         sees the compute work submitted before this call. A big staged store
         (`_deferred`) then returns: the lane's launcher thread enqueues its slabs, which
         would hold the caller ~1 ms; so does every later transfer of the lane until the
-        launcher caught up, which keeps the lane's order.
+        launcher caught up, which keeps the lane's order. A big staged load returns after
+        its first pieces (`_split_at`): the launcher enqueues the rest. A transfer with a
+        `signal` first waits for the launcher to catch up.
         """
         transfer = Transfer(job_id, self.direction, plan.nbytes, self.engine)
         with self._lock:
@@ -97,6 +99,8 @@ class DirectionQueue(LaneLaunch):
             except Exception as exc:  # the device refuses new work (e.g. a dead context)
                 raise self._refused(job_id, exc) from exc
             job = Launch(transfer, plan, job_id, path, order, signal)
+            if signal is not None and self._launches:
+                self._wait_launched()  # its signal must be recorded when this returns
             if self._launches or self._deferred(plan, path, signal):
                 self._note_submitted(job)
                 self._launches.append(job)
@@ -105,7 +109,11 @@ class DirectionQueue(LaneLaunch):
             launched = time.perf_counter()  # the device time learned below counts from here
             rec = self._launch(job, raise_refusal=True)
             self._note_submitted(job, launched)
-            self._add(rec)
+            if rec is None:  # a big load's first pieces are enqueued, the launcher does the rest
+                self._launches.append(job)
+                self._ensure_launcher()
+            else:
+                self._add(rec)
         return transfer
 
     def _note_submitted(self, job: Launch, launched: float | None = None) -> None:

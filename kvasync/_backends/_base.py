@@ -151,7 +151,7 @@ class Backend(ABC):
 
     def enqueue_pieces(
         self, stream: Stream, pieces: Sequence[TransferPlan], direction: Direction, path: str,
-        marks: Sequence[Event] | None = None,
+        marks: Sequence[Event] | None = None, edges: tuple[bool, bool] = (True, True),
     ) -> None:
         """Enqueue the pieces of one big transfer on `stream`, in order (one `enqueue_copy`
         each; a backend may share set-up between them, and the pieces may run in any order
@@ -159,7 +159,9 @@ class Backend(ABC):
 
         `marks`, if given, has one event per piece: each is recorded where it completes only
         once its piece and every piece before it have landed (later is allowed, never
-        earlier); a transfer's `progress()` reads them."""
+        earlier); a transfer's `progress()` reads them. `edges` (first, last): False where
+        another call enqueues the transfer's earlier (later) pieces on `stream`, maybe from
+        another thread (a lane hands a big load's later pieces to its launcher)."""
         for k, piece in enumerate(pieces):
             self.enqueue_copy(stream, piece, direction, path)
             if marks is not None:
@@ -174,10 +176,11 @@ class Backend(ABC):
     def enqueue_overlapped(
         self, stream: Stream, pieces: Sequence[TransferPlan], direction: Direction, path: str,
         overlap: Overlap, marks: Sequence[Event] | None = None,
+        edges: tuple[bool, bool] = (True, True),
     ) -> None:
         """`enqueue_pieces` (or `enqueue_copy` for one piece) where `may_overlap` said so:
         `stream` has not waited for `overlap.after`; the backend records `overlap.start`
-        and keeps the `Overlap` rules."""
+        and keeps the `Overlap` rules. Always the transfer's first pieces (`edges[0]`)."""
         raise NotImplementedError(f"the {self.name} backend does not overlap transfers")
 
     def resolve_path(

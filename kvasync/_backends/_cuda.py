@@ -202,15 +202,12 @@ class CudaBackend(CudaDevice):
             self.device_id, self.warm_up, self.alloc_host, self.new_stream, self._enqueue))
 
     # -- copies ---------------------------------------------------------------------------------
-    def enqueue_copy(
-        self, stream: Stream, plan: TransferPlan, direction: Direction, path: str
-    ) -> None:
+    def enqueue_copy(self, stream: Stream, plan: TransferPlan, direction: Direction,
+                     path: str) -> None:
         cuda_stream, path = self._concrete(stream, plan, direction, path)
-        if cuda_stream._error is not None:
-            return  # the stream failed: its next event carries the error
-        if plan.num_descriptors == 0:
-            return
-        self._enqueue(cuda_stream, plan, direction, path)
+        # a failed stream's next event carries its error; an empty plan copies nothing
+        if cuda_stream._error is None and plan.num_descriptors:
+            self._enqueue(cuda_stream, plan, direction, path)
 
     def may_overlap(self, path: str, direction: Direction, previous: str) -> bool:
         """Staged loads after any transfer, staged stores after a staged one: the ring's
@@ -218,23 +215,24 @@ class CudaBackend(CudaDevice):
         return (path == "staged" and self.kernel_available
                 and (direction == "h2d" or previous == "staged"))
 
-    def enqueue_overlapped(
-        self, stream: Stream, pieces: Sequence[TransferPlan], direction: Direction, path: str,
-        overlap: Overlap, marks: Sequence[Event] | None = None,
-    ) -> None:
+    def enqueue_overlapped(self, stream: Stream, pieces: Sequence[TransferPlan],
+                           direction: Direction, path: str, overlap: Overlap,
+                           marks: Sequence[Event] | None = None,
+                           edges: tuple[bool, bool] = (True, True)) -> None:
         enqueue_staged(stream, pieces, direction, self._concrete, self._enqueue, marks,
-                       overlap)
+                       overlap, edges)
 
     def enqueue_pieces(
         self, stream: Stream, pieces: Sequence[TransferPlan], direction: Direction, path: str,
-        marks: Sequence[Event] | None = None,
+        marks: Sequence[Event] | None = None, edges: tuple[bool, bool] = (True, True),
     ) -> None:
         """The pieces of one transfer (`_cuda_pieces`): their fanned-out DMA batches share
         one fork and one join of the helper streams, whole pieces round-robin
-        (`FAN_JOIN_PIECES`); a staged transfer goes piece after piece through one ring."""
+        (`FAN_JOIN_PIECES`); a staged transfer goes piece after piece through one ring
+        (the only path a lane splits: `edges`)."""
         if path == "staged":
-            enqueue_staged(stream, pieces, direction, self._concrete, self._enqueue, marks)
-            return
+            return enqueue_staged(stream, pieces, direction, self._concrete, self._enqueue,
+                                  marks, edges=edges)
         if len(pieces) < 2 or (path != "dma" and path != "auto") or self._batch is None:
             super().enqueue_pieces(stream, pieces, direction, path, marks)
             return

@@ -75,17 +75,22 @@ def enqueue_fanned(stream: Stream, pieces: Sequence[TransferPlan], direction: Di
 def enqueue_staged(stream: Stream, pieces: Sequence[TransferPlan], direction: Direction,
                    concrete: Concrete, enqueue: Enqueue,
                    marks: Sequence[Event] | None = None,
-                   overlap: Overlap | None = None) -> None:
+                   overlap: Overlap | None = None,
+                   edges: tuple[bool, bool] = (True, True)) -> None:
     """A big staged transfer, piece after piece through one staging ring: each piece's
     program is built as it is enqueued, so the first slab starts after a small piece's
     host work instead of the whole transfer's. Only the first piece waits for the
     stream's position (loads) and only the last makes the stream wait for its last row
     copy (stores): in between the ring's events keep the copy engines busy. A piece's mark
     follows its last row copy (stores) or unpack (loads). With `overlap` the first piece
-    records its start and the first (loads) or last (stores) waits for its predecessor."""
+    records its start and the first (loads) or last (stores) waits for its predecessor.
+    `edges` (first, last) False: `pieces` follow (precede) pieces of the same transfer
+    that another call enqueues on `stream` (`Backend.enqueue_pieces`)."""
     cuda_stream, _ = concrete(stream, pieces[0], direction, "staged")
     todo = [k for k, p in enumerate(pieces) if p.num_descriptors]
     first, last = (todo[0], todo[-1]) if todo else (-1, -1)
+    first = first if edges[0] else -1
+    last = last if edges[1] else -1
     if overlap is not None and not todo:  # nothing to copy: in order, as any transfer
         cuda_stream.wait_event(overlap.after)
         cuda_stream.record(overlap.start)

@@ -83,12 +83,14 @@ class Ran:
 
 @dataclass
 class Timing:
-    """Wall seconds of each timed transfer, bytes per transfer, median device seconds."""
+    """Wall seconds of each timed transfer, bytes per transfer, median device seconds, and
+    the median seconds the call itself held the caller."""
 
     samples: list[float]
     nbytes: int
     device_seconds: float
     ran: str
+    call_seconds: float = 0.0
 
 
 class Context:
@@ -234,17 +236,22 @@ class Context:
         transfer is done (host work included: what an ``await`` sees)."""
         samples: list[float] = []
         device: list[float] = []
+        calls: list[float] = []
         moved = 0
         with self.ran_paths(off) as ran:
             for rep in range((reps or self.reps) + 1):
                 t0 = time.perf_counter()
-                r = submit(off, direction, gpu, cpu, path=path, **kw).wait(WAIT_S)
+                t = submit(off, direction, gpu, cpu, path=path, **kw)
+                tc = time.perf_counter()
+                r = t.wait(WAIT_S)
                 dt = time.perf_counter() - t0
                 moved = r.bytes
                 if rep:
                     samples.append(dt)
                     device.append(r.seconds)
-        return Timing(samples, moved, statistics.median(device), ran.text)
+                    calls.append(tc - t0)
+        return Timing(samples, moved, statistics.median(device), ran.text,
+                      statistics.median(calls))
 
     @contextmanager
     def grid(self, off: kv.Offloader, ctas: int | None) -> Iterator[None]:

@@ -51,9 +51,9 @@ def _bandwidth(rows: list[Row]) -> list[str]:
             lines.append([d, fmt_size(page)] + [
                 f"{x.gbps:.1f} ({_num(x.ratio, '.2f')})" if x else "-" for x in cells] + [
                 f"{auto.extra.get('ran', '?')} ({auto.value('device_gbps'):.1f})" if auto
-                else "-"])
+                else "-", f"{auto.value('call_seconds') * 1e3:.2f}" if auto else "-"])
     return _table("GB/s (ratio to the ceiling), each path alone, wall time from call to done:",
-                  ["dir", "page", *paths, "auto ran (device GB/s)"], lines)
+                  ["dir", "page", *paths, "auto ran (device GB/s)", "auto call ms"], lines)
 
 
 def _interference(rows: list[Row]) -> list[str]:

@@ -217,7 +217,8 @@ class NixlBackend(Backend):
 
     def enqueue_pieces(self, stream: Stream, pieces: Sequence[TransferPlan],
                        direction: Direction, path: str,
-                       marks: Sequence[Event] | None = None) -> None:
+                       marks: Sequence[Event] | None = None,
+                       edges: tuple[bool, bool] = (True, True)) -> None:
         """One `_execute` of every piece on the stream thread; the marks follow it (the
         pieces move as one set of NIXL requests)."""
         if path not in ("nixl", "auto"):

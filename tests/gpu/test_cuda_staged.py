@@ -198,3 +198,68 @@ async def test_queued_transfers_overlap_yet_land_in_submission_order(staging_mib
     for t in range(n_t):
         np.testing.assert_array_equal(_np(gpu[t])[dst], off.cpu_tensors[t][sets[-1]])
     await off.aclose()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("staging_mib", [4, 64])
+async def test_split_loads_land_in_order_beside_urgent_and_layerwise_loads(
+        staging_mib: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Big staged loads whose later pieces the launcher enqueues (`_split_at`), queued
+    behind a busy compute stream, one overlapping the other; an urgent load through the
+    same staging ring in between; a layer-wise load behind them. The last writer of each
+    block wins, the urgent load lands its own blocks, every layer's signal holds a stream."""
+    import threading
+
+    from kvasync._lane_launch import LaneLaunch
+
+    for name, value in (("STAGED_WHOLE_BYTES", 1 << 20), ("FIRST_PIECE_BYTES", 256 << 10),
+                        ("KERNEL_PIECE_BYTES", 2 << 20)):
+        monkeypatch.setattr(LaneLaunch, name, value)
+    page, blocks, n_t = 16384, 256, 8
+    gpu = [_u8((blocks, page), seed=60 + i) for i in range(n_t)]
+    off = kv.Offloader(kv.KVCacheLayout.from_tensors(gpu), blocks, backend="cuda",
+                       copy_path="staged", staging_bytes=staging_mib << 20)
+    be: Any = off.backend
+    calls: list[tuple[str, tuple[bool, bool]]] = []
+    real = be.enqueue_pieces
+
+    def spy(*args: Any, edges: tuple[bool, bool] = (True, True), **kw: Any) -> None:
+        calls.append((threading.current_thread().name, edges))
+        real(*args, edges=edges, **kw)
+
+    be.enqueue_pieces = spy
+    rng = np.random.default_rng(9)
+    for view in off.cpu_tensors:
+        view[...] = rng.integers(0, 256, view.shape, dtype=np.uint8)
+    torch = _torch()
+    compute = torch.cuda.Stream()
+    dst = rng.permutation(blocks)[:160]
+    urgent_dst = np.setdiff1d(np.arange(blocks), dst)[:16]
+    sets = [rng.permutation(blocks)[:160] for _ in range(2)]
+    with torch.cuda.stream(compute):
+        torch.cuda._sleep(50_000_000)
+    loads = [off.load(cpu_chunks=c, gpu_blocks=dst, stream=compute) for c in sets]
+    urgent = off.load(cpu_chunks=sets[0][:16], gpu_blocks=urgent_dst, urgent=True)
+    layered = off.load_layerwise(cpu_chunks=sets[0][:8], gpu_blocks=dst[:8], stream=compute,
+                                 layers=[[0, 1, 2, 3], [4, 5, 6, 7]])
+    after = torch.empty(8 * page, dtype=torch.uint8, device="cuda")
+    layered.wait_layer(1, compute)  # on the device: the copy below sees layer 1's bytes
+    with torch.cuda.stream(compute):
+        after.copy_(gpu[7][torch.as_tensor(dst[:8], device="cuda")].reshape(-1))
+    results = [await t for t in loads]
+    assert all(r.success and r.seconds > 0 for r in results)
+    assert (await urgent).success and (await layered).success
+    # the first load's head on this thread (the second overlaps it: `enqueue_overlapped`,
+    # or waits whole for the launcher), every rest on the launcher
+    heads = [n for n, edges in calls if edges == (True, False)]
+    rests = [n for n, edges in calls if edges == (False, True)]
+    assert heads and all(n == threading.current_thread().name for n in heads)
+    assert rests and all(n.endswith("-launcher") for n in rests)
+    want = [v.reshape(blocks, page) for v in off.cpu_tensors]
+    for t in range(n_t):
+        got = _np(gpu[t])
+        np.testing.assert_array_equal(got[dst[:8]], want[t][sets[0][:8]])  # layer-wise last
+        np.testing.assert_array_equal(got[dst[8:]], want[t][sets[1][8:]])  # then load 2
+        np.testing.assert_array_equal(got[urgent_dst], want[t][sets[0][:16]])
+    np.testing.assert_array_equal(_np(after).reshape(8, page), want[7][sets[0][:8]])
+    await off.aclose()

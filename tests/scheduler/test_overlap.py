@@ -36,7 +36,8 @@ class OverlappingHost(HostBackend):
 
     def enqueue_overlapped(self, stream: Stream, pieces: Sequence[TransferPlan],
                            direction: Direction, path: str, overlap: Overlap,
-                           marks: Sequence[Event] | None = None) -> None:
+                           marks: Sequence[Event] | None = None,
+                           edges: tuple[bool, bool] = (True, True)) -> None:
         self.overlaps.append(overlap)
         if self.fail:
             raise RuntimeError("the device refused the row copies")

@@ -44,10 +44,12 @@ def run(ctx: Context) -> list[Row]:
                           file=sys.stderr)
                     continue
                 note = f"ran {t.ran}" + (f", {ctas} CTAs" if ctas else "")
-                rows.append(bandwidth_row(
+                row = bandwidth_row(
                     "bandwidth", name, direction, page, t.samples, t.nbytes,
                     ctx.ceiling(direction), t.device_seconds, note,
-                    {"ran": t.ran, "tensors": ctx.tensors, "blocks": len(gpu)}))
+                    {"ran": t.ran, "tensors": ctx.tensors, "blocks": len(gpu)})
+                row.values["call_seconds"] = round(t.call_seconds, 6)
+                rows.append(row)
     return rows
 
 
