@@ -130,8 +130,12 @@ class _TableEntry:
 
 
 class TableCache:
-    """Device copies of RefTables (the last 64, by identity), shared by the kernel and
+    """Device copies of RefTables (the last `SIZE`, by identity), shared by the kernel and
     staged paths; `entries` is the cache itself (tests read it)."""
+
+    #: a layer-wise staged load uses one staging table per (layer, staging buffer): 128
+    #: for 32 layers and four buffers, which must all stay cached across loads
+    SIZE = 256
 
     def __init__(self, device_id: int) -> None:
         self.device_id = device_id
@@ -164,7 +168,7 @@ class TableCache:
             entry = _TableEntry(table, packed, dev, int(dev.ptr),
                                 int(dev.ptr) + len(packed.rows) * 8, ready, stream.ptr)
             self.entries[id(table)] = entry
-            while len(self.entries) > 64:
+            while len(self.entries) > self.SIZE:
                 self.entries.popitem(last=False)
         elif entry.ready is not None and entry.stream_ptr != stream.ptr:
             if entry.ready.query():

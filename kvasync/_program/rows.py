@@ -1,8 +1,9 @@
 """The host side of a table as chunk rows, for the staged program.
 
 A CPU chunk's host row holds every KV tensor's sub-blocks side by side. `row_side` finds
-that row form of a table (or says there is none), `staging_table` moves the host side onto
-a staging buffer of the same rows, and `coverage_pattern` gives the bytes a ref set covers
+that row form of a table (or says there is none), `row_window` narrows it to the part of
+the rows a ref set can cover (a layer, a group), `staging_table` moves the host side onto
+a staging buffer of such rows, and `coverage_pattern` gives the bytes a ref set covers
 in one row. Each is computed once per table (per buffer, per pattern) and cached on it.
 """
 
@@ -15,7 +16,7 @@ import numpy as np
 from .table import U64, RefTable, SideGeometry
 
 __all__ = ["MAX_FACTOR", "RowSide", "coalesce_runs", "coverage_pattern", "row_side",
-           "staging_table"]
+           "row_window", "staging_table"]
 
 #: sub-blocks per chunk the coverage masks can describe (one bit each)
 MAX_FACTOR = 64
@@ -68,11 +69,40 @@ def row_side(table: RefTable, gpu_to_cpu: bool) -> RowSide | None:
     return out
 
 
+def row_window(table: RefTable, rows: RowSide, refs: np.ndarray, gpu_to_cpu: bool) -> RowSide:
+    """`rows` narrowed to the part of every row that `refs` can cover: a staging row then
+    holds only that part. One layer of a layer-wise load (2 of 64 tensors) staged through
+    whole-row staging rows filled 1/32 of each buffer, and its many small slabs cost the
+    host ~3 ms per layer. Refs outside the window keep offset 0 (never addressed through
+    it). `rows` itself where the window is the whole span; cached per (side, refs)."""
+    key = ("win", gpu_to_cpu, refs.tobytes())
+    hit: RowSide | None = table.cache.get(key)
+    if hit is not None:
+        return hit
+    lo, hi = rows.span, 0
+    for r in refs.tolist():
+        a, k = int(table.frag_start[r]), int(table.frag_count[r])
+        last = max((int(rows.frag_off[f]) + int(table.frag_size[f]) for f in range(a, a + k)),
+                   default=0)
+        off = int(rows.offsets[r])
+        lo = min(lo, off)
+        hi = max(hi, off + (rows.factor - 1) * int(rows.sub[r]) + last)
+    out = rows
+    if 0 <= lo < hi and hi - lo < rows.span:
+        inside = np.zeros(len(rows.offsets), dtype=bool)
+        inside[refs] = True
+        offsets = np.where(inside, rows.offsets.astype(np.int64) - lo, 0).astype(U64)
+        out = replace(rows, base=rows.base + lo, span=hi - lo, offsets=offsets)
+    if len(table.cache) < 4096:
+        table.cache[key] = out
+    return out
+
+
 def staging_table(table: RefTable, rows: RowSide, gpu_to_cpu: bool, stage_ptr: int,
                   rows_per_slab: int) -> RefTable:
     """`table` with its host side moved onto a staging buffer at `stage_ptr` (rows of
     `rows.span` bytes): what the pack/unpack kernel reads. Cached per buffer address."""
-    key = ("stage", gpu_to_cpu, stage_ptr, rows_per_slab)
+    key = ("stage", gpu_to_cpu, stage_ptr, rows_per_slab, rows.base, rows.span)
     hit: RefTable | None = table.cache.get(key)
     if hit is not None:
         return hit
@@ -97,7 +127,7 @@ def coverage_pattern(table: RefTable, rows: RowSide, refs: np.ndarray, mask: int
              ) -> tuple[np.ndarray, np.ndarray]:
     """(starts, sizes) in a row image of the bytes `refs` cover in the sub-blocks of
     `mask`, merged where adjacent; cached per (refs, mask)."""
-    key = ("pat", gpu_to_cpu, refs.tobytes(), mask)
+    key = ("pat", gpu_to_cpu, rows.base, refs.tobytes(), mask)
     hit: tuple[np.ndarray, np.ndarray] | None = table.cache.get(key)
     if hit is not None:
         return hit

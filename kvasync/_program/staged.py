@@ -13,7 +13,9 @@ program, so its first slab starts after a small piece's host work; `staged_rows`
 whether a plan can be staged without building anything):
 
 - the distinct chunks the plan touches are ranked by id; rank r lives in staging row
-  ``r % rows_per_slab`` of slab ``r // rows_per_slab`` (a slab is one staging buffer);
+  ``r % rows_per_slab`` of slab ``r // rows_per_slab`` (a slab is one staging buffer); a
+  staging row holds only the part of a host row the plan's ref sets can cover (one layer's
+  tensors, one group's: `row_window`), so a layer of a layer-wise load fills a buffer;
 - each slab's `segments` are the plan's segments restricted to its chunks, with the host
   slot rewritten to the staging slot ``row * blocks_per_chunk + sub_block``: the pack or
   unpack kernel copies them with a staging `RefTable` (`staging_table`);
@@ -35,7 +37,15 @@ import numpy as np
 
 from .._errors import InvalidTransferError
 from .plan import Segment, TransferPlan
-from .rows import MAX_FACTOR, RowSide, coalesce_runs, coverage_pattern, row_side, staging_table
+from .rows import (
+    MAX_FACTOR,
+    RowSide,
+    coalesce_runs,
+    coverage_pattern,
+    row_side,
+    row_window,
+    staging_table,
+)
 from .table import U64, RefTable
 
 __all__ = ["Slab", "StagedProgram", "build_staged", "check_stageable", "kernel_plan",
@@ -155,15 +165,23 @@ def _build_python(plan: TransferPlan, segs: list[Segment], rows: RowSide, rps: i
 
 
 def staged_rows(plan: TransferPlan, gpu_to_cpu: bool, slab_bytes: int) -> RowSide | None:
-    """The host rows `plan` would be staged through, or None where it cannot be staged
-    (host memory not in rows, a row larger than a buffer of `slab_bytes`, more than
+    """The host rows `plan` would be staged through (narrowed to the part its refs can
+    cover), or None where it cannot be staged (host memory not in rows, that part of a row
+    larger than a buffer of `slab_bytes`, more than
     `MAX_FACTOR` blocks per chunk, or a raw descriptor plan). Cheap: a path choice asks it
     before the program is built, which for a big transfer happens piece by piece."""
     table = plan.table
     if table is None or (not plan.segments and plan.num_descriptors):
         return None
     rows = row_side(table, gpu_to_cpu)
-    if rows is None or rows.factor > MAX_FACTOR or int(slab_bytes) // rows.span < 1:
+    if rows is None or rows.factor > MAX_FACTOR:
+        return None
+    segs = [s for s in plan.segments if len(s.src_slots)]
+    if segs:  # the part of the rows the plan's refs can cover (`row_window`)
+        refs = (segs[0].refs if len(segs) == 1
+                else np.unique(np.concatenate([s.refs for s in segs])))
+        rows = row_window(table, rows, refs, gpu_to_cpu)
+    if int(slab_bytes) // rows.span < 1:
         return None
     return rows
 

@@ -111,11 +111,14 @@ async def test_auto_stages_big_transfers_and_keeps_the_kernel_for_urgent_ones() 
 
 
 @pytest.mark.asyncio
-async def test_layerwise_staged_loads_signal_each_layer() -> None:
+@pytest.mark.parametrize("staging_kib", [0, 512])
+async def test_layerwise_staged_loads_signal_each_layer(staging_kib: int) -> None:
+    """Each layer stages only its tensors' part of the rows: with four 128 KiB buffers a
+    whole 96 KiB row fits one per buffer, a layer's 16 KiB part eight (four slabs a layer)."""
     page, blocks, layers = 8192, 64, 6
     gpu = [_u8((blocks, page), seed=60 + i) for i in range(2 * layers)]
     off = kv.Offloader(kv.KVCacheLayout.from_tensors(gpu), blocks, backend="cuda",
-                       copy_path="staged")
+                       copy_path="staged", staging_bytes=(staging_kib << 10) or None)
     await off.store(gpu_blocks=list(range(32)), cpu_chunks=list(range(32)))
     ref = [_np(g) for g in gpu]
     for g in gpu:

@@ -204,3 +204,40 @@ def test_plain_python_staging_matches_the_numpy_path(s: dict, data: st.DataObjec
     assert len(fast.slabs) == len(slow.slabs)
     assert _compose(table, fast, s["store"]) == _compose(table, slow, s["store"]) == byte_map(
         expected)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(1, 4), st.sampled_from([1, 3, 4]), st.booleans(), st.data())
+def test_a_layer_stages_only_its_part_of_the_rows(
+    layers: int, bpc: int, store: bool, data: st.DataObject
+) -> None:
+    """A staging row holds only the part of a host row a layer's tensors cover: one layer
+    of a K/V pair per layer fills a buffer with as many rows as fit that part (with
+    whole-row staging rows it used 1/layers of each buffer), moving the oracle's bytes."""
+    n_t, page, chunks = 2 * layers, 16, 12
+    tensors = [KVTensor(np.zeros((chunks * bpc, page), np.uint8)) for _ in range(n_t)]
+    layout = KVCacheLayout(tensors)
+    row = n_t * page * bpc
+    gpu = SideGeometry([BIG * (t + 1) for t in range(n_t)], [page] * n_t, [0] * n_t,
+                       [chunks * bpc] * n_t, 1)
+    host = SideGeometry([BIG * 10 + t * page * bpc for t in range(n_t)], [row] * n_t,
+                        [page] * n_t, [chunks] * n_t, bpc)
+    table = build_ref_table(layout, gpu, host, store, False)
+    k = data.draw(st.integers(1, chunks))
+    cpu = data.draw(st.lists(st.integers(0, chunks - 1), min_size=k, max_size=k, unique=True))
+    blocks = data.draw(st.permutations(list(range(chunks * bpc))))[: k * bpc]
+    plan = build_plan(table, blocks, cpu, None, None, store, chunks)
+    spec = [[2 * i, 2 * i + 1] for i in range(layers)]
+    part_bytes = 2 * page * bpc
+    merged: dict[int, int] = {}
+    for part in split_plan(plan, spec):
+        program = build_staged(part, store, 3 * part_bytes)
+        assert program is not None
+        assert program.rows.span == part_bytes and program.rows_per_slab == 3
+        assert len(program.slabs) == -(-k // 3)
+        got = _compose(table, program, store)
+        assert not set(got) & set(merged)
+        merged.update(got)
+    whole = build_staged(plan, store, 3 * row)
+    assert whole is not None and whole.rows.span == row
+    assert merged == _compose(table, whole, store)
