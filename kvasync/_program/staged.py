@@ -332,8 +332,8 @@ def check_stageable(plan: TransferPlan, direction: str, slab_bytes: int) -> None
     if staged_rows(plan, direction == "d2h", slab_bytes) is None:
         raise InvalidTransferError(
             "copy path 'staged' needs host memory in chunk rows (the offloader's own or a "
-            f"shared region's), at most {MAX_FACTOR} blocks per chunk and a row of at most "
-            f"{slab_bytes} B (one staging buffer)"
+            f"shared region's), at most {MAX_FACTOR} blocks per chunk and at most "
+            f"{slab_bytes} B (one staging buffer) of a row covered by the request's tensors"
         )
 
 
