@@ -97,7 +97,7 @@ def _unavailable(section: Section, ctx: Context) -> str | None:
         return f"needs a CUDA GPU ({ctx.no_gpu_reason})"
     if "torch" in section.needs and ctx.torch is None:
         return "needs torch with CUDA (its bf16 matmuls stand in for the model)"
-    return None
+    return section.missing() if section.missing is not None else None
 
 
 def _git_commit() -> str | None:

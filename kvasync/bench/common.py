@@ -144,13 +144,15 @@ class Section:
     """A family of measurements: `run(ctx)` returns its rows.
 
     `needs` lists what it cannot run without ("gpu": a CUDA GPU; "torch": torch with CUDA);
-    the runner skips it, saying why, where that is missing.
+    `missing()`, if given, says what else is missing (None: nothing). The runner skips it,
+    saying why, where anything is missing (`meta["skipped"]` and the report name it).
     """
 
     name: str
     run: Callable[[Any], list[Row]]
     needs: tuple[str, ...]
     doc: str
+    missing: Callable[[], str | None] | None = None
 
 
 def fmt_size(n: int) -> str:

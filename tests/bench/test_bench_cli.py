@@ -63,7 +63,13 @@ def test_quick_run_writes_a_valid_bench_json(quick_run: tuple[Path, Any]) -> Non
     assert meta["command"] == f"python -m kvasync.bench --quick --out {out}"
     assert meta["date"] and meta["device"].startswith("host CPU")
     assert meta["paths"][0] == "auto" and "memmove" in meta["paths"]
-    assert set(meta["skipped"]) == {"interference", "cpu", "layerwise"}
+    # the remote section says it was skipped where NIXL is missing, as the GPU ones do
+    from kvasync.bench.sections.remote import _nixl_missing
+
+    gpu_only = {"interference", "cpu", "layerwise"}
+    assert set(meta["skipped"]) == gpu_only | ({"remote"} if _nixl_missing() else set())
+    if _nixl_missing():
+        assert "skipped remote: NIXL is not available" in (out / "bench.txt").read_text()
     assert {"h2d", "d2h", "both"} <= set(meta["ceilings_gbps"])
     rows = data["rows"]
     for row in rows:
