@@ -37,9 +37,10 @@ def covered(groups: list[list[int]], pages: list[int], offsets: list[int], row_b
 
 def runs(groups: list[list[int]], pages: list[int], offsets: list[int], row_bytes: int,
          base: int, bpc: int, cpu_chunks: list[int], group_sizes: list[int],
-         block_indices: list[int], span: int, rows_per_buffer: int
+         block_indices: list[int], span: int, rows_per_buffer: int, window: int = 0
          ) -> list[list[tuple[int, int, int]]]:
-    """Per staging buffer, the sorted (staging offset, pool address, size) runs."""
+    """Per staging buffer, the sorted (staging offset, pool address, size) runs; a staging
+    row holds the `span` bytes of a pool row from offset `window` on."""
     pieces = covered(groups, pages, offsets, row_bytes, base, bpc, cpu_chunks, group_sizes,
                      block_indices)
     chunks = sorted({c for c, _, _ in pieces})
@@ -50,7 +51,7 @@ def runs(groups: list[list[int]], pages: list[int], offsets: list[int], row_byte
     for c, off, size in pieces:
         r = rank[c]
         for i in range(size):
-            bytes_of[r // rows_per_buffer].add(((r % rows_per_buffer) * span + off + i,
+            bytes_of[r // rows_per_buffer].add(((r % rows_per_buffer) * span + off - window + i,
                                                 base + c * row_bytes + off + i))
     out = []
     for k in range(nbuf):

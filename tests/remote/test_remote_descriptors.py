@@ -92,10 +92,13 @@ def test_descriptors_equal_the_oracles_runs(seed: int) -> None:
     layout = _layout(pages, groups)
     row = pool_row_bytes(layout, bpc, False)
     offsets, _ = row_offsets(layout, [p * bpc for p in pages])
-    span = max(offsets[t] + bpc * pages[t] for t in range(len(pages)))
+    # a staging row holds the part of a pool row the request's groups can cover
+    used = [t for g, n in zip(groups, req["group_sizes"]) if n for t in g]
+    lo = min(offsets[t] for t in used)
+    span = max(offsets[t] + bpc * pages[t] for t in used) - lo
     want = rows_oracle.runs(groups, pages, offsets, row, BASE, bpc, req["cpu_chunks"],
                             req["group_sizes"], req["block_indices"], span,
-                            slab_bytes // span)
+                            slab_bytes // span, lo)
     got = _program_runs(layout, chunks, bpc, direction, req, slab_bytes)
     assert got == want
 
