@@ -65,19 +65,27 @@ class Submitter:
                           block_indices, direction == "d2h", self.num_cpu_chunks,
                           self.backend.reads_plan_later)
 
+    def resolve(self, direction: Direction, plan: TransferPlan, path: str, urgent: bool,
+                layered: bool, both_ways_memory: float) -> str:
+        """The concrete copy path of `plan` by `path` ("auto": the backend picks, told if
+        the other way is busy too); InvalidTransferError where `plan` cannot take it."""
+        other_busy = self.lanes.both_ways(direction, both_ways_memory)
+        return self.backend.resolve_path(self.path(path), direction, plan, self.host_pinned,
+                                         urgent=urgent, other_busy=other_busy,
+                                         layered=layered)
+
     def enqueue(self, direction: Direction, plan: TransferPlan, job_id: int | None,
                 stream: Any | None, default_stream: Any | None, path: str, urgent: bool,
-                signal: Any | None, both_ways_memory: float) -> Transfer:
+                signal: Any | None, both_ways_memory: float,
+                concrete: str | None = None) -> Transfer:
         """Submit `plan` after `stream` (default: `default_stream`), the compute stream to
-        wait on, by `path` ("auto": the backend picks, told if the other way is busy too)."""
-        chosen = self.path(path)
+        wait on, by `path` (`resolve`), or by `concrete`, a path `resolve` gave."""
+        if concrete is None:
+            concrete = self.resolve(direction, plan, path, urgent, signal is not None,
+                                    both_ways_memory)
         check_job_id(job_id)
         compute: Stream | None = self.backend.compute_stream(
             stream if stream is not None else default_stream)
-        other_busy = self.lanes.both_ways(direction, both_ways_memory)
-        concrete = self.backend.resolve_path(chosen, direction, plan, self.host_pinned,
-                                             urgent=urgent, other_busy=other_busy,
-                                             layered=signal is not None)
         self.check_open()
         return self.lanes.submit(direction, urgent, plan, job_id, concrete, compute, signal)
 
@@ -87,12 +95,16 @@ class Submitter:
         """One load per layer of `spec`, all with one job id, each signalling a device
         event when its layer has landed."""
         parts = split_plan(plan, spec)
-        check_job_id(job_id)  # both before an id is drawn: a refused call uses none
+        check_job_id(job_id)  # all before an id is drawn: a refused call uses none
+        # every layer's path before any is enqueued: a layer that cannot take it (a staged
+        # layer wider than a staging buffer) refuses the call with nothing enqueued
+        paths = [self.resolve("h2d", part, path, urgent, True, both_ways_memory)
+                 for part in parts]
         compute = self.backend.compute_stream(
             stream if stream is not None else default_stream)  # once for every layer
         jid = job_id if job_id is not None else next(self.lanes.job_ids)
         signals = [self.backend.new_event(timing=False) for _ in parts]
         transfers = [self.enqueue("h2d", part, jid, compute, default_stream, path, urgent,
-                                  signal, both_ways_memory)
-                     for part, signal in zip(parts, signals)]
+                                  signal, both_ways_memory, concrete)
+                     for part, signal, concrete in zip(parts, signals, paths)]
         return LayeredTransfer(jid, transfers, signals, self.backend)

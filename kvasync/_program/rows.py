@@ -102,7 +102,10 @@ def staging_table(table: RefTable, rows: RowSide, gpu_to_cpu: bool, stage_ptr: i
                   rows_per_slab: int) -> RefTable:
     """`table` with its host side moved onto a staging buffer at `stage_ptr` (rows of
     `rows.span` bytes): what the pack/unpack kernel reads. Cached per buffer address."""
-    key = ("stage", gpu_to_cpu, stage_ptr, rows_per_slab, rows.base, rows.span)
+    # every offset: two windows of one base and span may hold different refs (a ref
+    # outside a window sits at offset 0)
+    key = ("stage", gpu_to_cpu, stage_ptr, rows_per_slab, rows.base, rows.span,
+           rows.offsets.tobytes())
     hit: RefTable | None = table.cache.get(key)
     if hit is not None:
         return hit

@@ -241,3 +241,26 @@ def test_a_layer_stages_only_its_part_of_the_rows(
     whole = build_staged(plan, store, 3 * row)
     assert whole is not None and whole.rows.span == row
     assert merged == _compose(table, whole, store)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenario(), st.data())
+def test_programs_of_different_tensor_sets_on_one_table_each_move_their_bytes(
+    s: dict, data: st.DataObject  # type: ignore[type-arg]
+) -> None:
+    """Programs built one after another on one table with the same staging buffers, as an
+    offloader builds them: each tensor subset's window gets its own staging table (two
+    windows of one start and width may hold different tensors)."""
+    table, expected, row = _setup(s, data)
+    plan = build_plan(table, s["gpu"], s["cpu"], s["gsizes"], s["bidx"], s["store"],
+                      s["num_chunks"])
+    n_t = len(s["pages"])
+    for _ in range(3):
+        sub = data.draw(st.sets(st.integers(0, n_t - 1), min_size=1))
+        spec = [sorted(sub)] + ([sorted(set(range(n_t)) - sub)] if len(sub) < n_t else [])
+        merged: dict[int, int] = {}
+        for part in split_plan(plan, spec):
+            program = build_staged(part, s["store"], 2 * max(row, 1))
+            assert program is not None
+            merged.update(_compose(table, program, s["store"]))
+        assert merged == byte_map(expected), spec
