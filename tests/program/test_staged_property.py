@@ -264,3 +264,24 @@ def test_programs_of_different_tensor_sets_on_one_table_each_move_their_bytes(
             assert program is not None
             merged.update(_compose(table, program, s["store"]))
         assert merged == byte_map(expected), spec
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenario(), st.data())
+def test_pieces_of_a_plan_on_one_table_move_its_bytes(s: dict, data: st.DataObject) -> None:  # type: ignore[type-arg]
+    """A big transfer's pieces (`TransferPlan.pieces`) staged one after another on one
+    table: their segments' tensor sets differ (a writer rotation's filter, a group's last
+    chunk), and together they move exactly the plan's bytes."""
+    table, expected, row = _setup(s, data)
+    plan = build_plan(table, s["gpu"], s["cpu"], s["gsizes"], s["bidx"], s["store"],
+                      s["num_chunks"])
+    rows_n = data.draw(st.integers(1, 3))
+    for _ in range(2):
+        most = data.draw(st.integers(1, 8))
+        first = data.draw(st.none() | st.integers(1, most))
+        merged: dict[int, int] = {}
+        for piece in plan.pieces(most, first):
+            program = build_staged(piece, s["store"], rows_n * max(row, 1))
+            assert program is not None
+            merged.update(_compose(table, program, s["store"]))
+        assert merged == byte_map(expected)
