@@ -78,7 +78,9 @@ async def test_store_returns_before_its_copy_is_enqueued() -> None:
 @pytest.mark.asyncio
 @pytest.mark.timeout(60)
 @pytest.mark.usefixtures("defer_all")
-async def test_an_enqueue_failure_on_the_launcher_fails_its_transfer_and_those_behind() -> None:
+async def test_an_enqueue_failure_on_the_launcher_fails_its_transfer_and_those_behind(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     off, _ = _offloader()
     real = off.backend.enqueue_copy
     calls = 0
@@ -90,8 +92,16 @@ async def test_an_enqueue_failure_on_the_launcher_fails_its_transfer_and_those_b
             raise RuntimeError("injected enqueue failure")
         real(*args, **kw)
 
+    # the launcher starts once all four are queued: a failure before the last submission
+    # would (rightly) make that store() raise instead of failing its transfer
+    start_launcher = DirectionQueue._ensure_launcher
+    monkeypatch.setattr(DirectionQueue, "_ensure_launcher", lambda self: None)
     off.backend.enqueue_copy = flaky  # type: ignore[method-assign]
     ts = [off.store(gpu_blocks=[i], cpu_chunks=[i]) for i in range(4)]
+    monkeypatch.setattr(DirectionQueue, "_ensure_launcher", start_launcher)
+    lane = off._submitter.lanes.queues[("d2h", False)]
+    with lane._lock:
+        lane._ensure_launcher()
     assert (await ts[0]).success
     with pytest.raises(kv.TransferFailedError, match="injected enqueue failure"):
         await ts[1]
