@@ -48,6 +48,7 @@ __all__ = [
     "host_unregister",
     "is_registered",
     "libcuda",
+    "memcpy_2d",
     "memcpy_async",
     "memcpy_each",
     "memcpy_runs",
@@ -159,6 +160,18 @@ def memcpy_runs(runs: Iterable[tuple[int, int, int]], stream: int) -> None:
     copy = cupy().cuda.runtime.memcpyAsync
     for s, d, n in runs:
         copy(d, s, n, _MEMCPY_DEFAULT, stream)
+
+
+def memcpy_2d(src: np.ndarray, dst: np.ndarray, src_pitch: np.ndarray, dst_pitch: np.ndarray,
+              width: np.ndarray, height: np.ndarray, stream: int) -> None:
+    """Wraps one `cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, height,
+    cudaMemcpyDefault, stream)` per copy: `height` lines of `width` bytes, `src_pitch` /
+    `dst_pitch` apart, on a copy engine; returns without waiting. Raises CuPy's
+    `CUDARuntimeError`."""
+    copy = cupy().cuda.runtime.memcpy2DAsync
+    for s, d, sp, dp, w, h in zip(src.tolist(), dst.tolist(), src_pitch.tolist(),
+                                  dst_pitch.tolist(), width.tolist(), height.tolist()):
+        copy(d, dp, s, sp, w, h, _MEMCPY_DEFAULT, stream)
 
 
 # -- cuMemcpyBatchAsync -------------------------------------------------------------------------

@@ -23,8 +23,11 @@ from .._errors import InvalidTransferError, TransferFailedError
 from .._hostmem import host_memory
 from .._program import (
     StagedProgram,
+    build_pitched,
+    check_pitchable,
     check_stageable,
     kernel_plan,
+    pitched_lines,
     prepare_staged,
     slab_descriptors,
 )
@@ -221,7 +224,7 @@ class HostBackend(Backend):
     """Backend whose device memory is host memory; used without a GPU."""
 
     name = "host"
-    paths = ("memmove", "staged")
+    paths = ("memmove", "staged", "pitched")
     #: staging bytes per direction of the "staged" path (two buffers of half each)
     STAGING_BYTES = 8 << 20
 
@@ -233,7 +236,7 @@ class HostBackend(Backend):
         self._rings: dict[str, _HostRing] = {}
         self._ring_lock = threading.Lock()
         #: how many transfers each concrete path ran (for tests and the benchmark)
-        self.counts: dict[str, int] = {"memmove": 0, "staged": 0}
+        self.counts: dict[str, int] = {"memmove": 0, "staged": 0, "pitched": 0}
 
     # -- memory ------------------------------------------------------------------------------
     def check_device_array(self, info: ArrayInfo, what: str) -> None:
@@ -287,6 +290,9 @@ class HostBackend(Backend):
         if path == "staged":
             check_stageable(plan, direction, self._ring(direction).slab_bytes)
             return path
+        if path == "pitched":
+            check_pitchable(plan)
+            return path
         return "memmove"
 
     def _ring(self, direction: str) -> _HostRing:
@@ -305,7 +311,7 @@ class HostBackend(Backend):
     def enqueue_copy(
         self, stream: Stream, plan: TransferPlan, direction: Direction, path: str
     ) -> None:
-        if path not in ("memmove", "staged", "auto"):
+        if path not in ("memmove", "staged", "pitched", "auto"):
             raise InvalidTransferError(f"host backend has no copy path {path!r}")
         assert isinstance(stream, HostStream)
         if path == "staged" and plan.staged is None:
@@ -315,9 +321,12 @@ class HostBackend(Backend):
         fault = self._fail_next.pop(0) if self._fail_next else None
         if path == "staged":
             stream.enqueue(self._execute_staged, plan, self._ring(direction), fault)
+        elif path == "pitched":
+            check_pitchable(plan)
+            stream.enqueue(self._execute_pitched, plan, fault)
         else:
             stream.enqueue(self._execute, plan, fault)
-        self.counts["staged" if path == "staged" else "memmove"] += 1
+        self.counts[path if path in ("staged", "pitched") else "memmove"] += 1
 
     def _execute_staged(self, plan: TransferPlan, ring: _HostRing,
                         fault: BaseException | None) -> None:
@@ -337,6 +346,16 @@ class HostBackend(Backend):
                     self._check_bounds(d, z)
                     for a, b, n in zip(s.tolist(), d.tolist(), z.tolist()):
                         _memmove(b, a, n)
+
+    def _execute_pitched(self, plan: TransferPlan, fault: BaseException | None) -> None:
+        """The 2-D copies the CUDA path hands the copy engines, line by line."""
+        src, dst, sizes = pitched_lines(build_pitched(plan))
+        if fault is not None:
+            raise fault
+        self._check_bounds(src, sizes)
+        self._check_bounds(dst, sizes)
+        for s, d, n in zip(src.tolist(), dst.tolist(), sizes.tolist()):
+            _memmove(d, s, n)
 
     def _execute(self, plan: TransferPlan, fault: BaseException | None) -> None:
         src, dst, sizes = plan.coalesced()

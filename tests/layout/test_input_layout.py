@@ -107,9 +107,9 @@ def test_ref_layout_and_backend_reprs_are_short() -> None:
     one = kv.KVCacheLayout.from_tensors([np.zeros((8, 4), np.uint8)])
     assert repr(one) == "<KVCacheLayout cpu 1 tensor, 1 group, 1 ref, 8 blocks, 4 B per block>"
     with kv.Offloader(layout, 4, backend="host") as off:
-        assert repr(off.backend) == "<HostBackend paths=('memmove', 'staged') streams=0>"
+        assert repr(off.backend) == "<HostBackend paths=('memmove', 'staged', 'pitched') streams=0>"
         off.store(gpu_blocks=[0], cpu_chunks=[0]).wait(5)
-        assert repr(off.backend) == "<HostBackend paths=('memmove', 'staged') streams=1>"
+        assert repr(off.backend) == "<HostBackend paths=('memmove', 'staged', 'pitched') streams=1>"
         stream = off.backend._streams[0]  # type: ignore[attr-defined]
         assert repr(stream).startswith("<HostStream kvasync-host-0 ")
         # one mapping holds every tensor's rows: 4 chunks x 40 x 64 B, whole pages

@@ -1,0 +1,113 @@
+"""The "pitched" copy path end to end: one 2-D copy per block over a pool's evenly spaced
+tensors, checked byte for byte against a reference path on a twin offloader (host:
+"memmove"; CUDA: "dma"), with groups, mid-chunk starts, several blocks per chunk and
+layer-wise loads; a layout it cannot move is refused before anything is enqueued."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from support import Mem
+
+import kvasync as kv
+from kvasync._program import mean_height
+
+CASES = [pytest.param("host", id="host"),
+         pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
+REFERENCE = {"host": "memmove", "cuda": "dma"}
+T, BLOCKS, PAGE, CHUNKS = 8, 32, 256, 24
+
+
+def _twins(backend: str, bpc: int, seed: int) -> tuple[kv.Offloader, kv.Offloader, Any, Any]:
+    """Two offloaders over identical pools (T tensors sliced from one array each), groups
+    {0..3} and {4..7}."""
+    mem = Mem(backend)
+    pools = [mem.rand_u8((T, BLOCKS, PAGE), seed=seed) for _ in range(2)]
+    groups = [[kv.KVRef(t) for t in range(4)], [kv.KVRef(t) for t in range(4, T)]]
+    offs = [kv.Offloader(kv.KVCacheLayout([kv.KVTensor(p[t]) for t in range(T)], groups),
+                         CHUNKS, bpc, backend=backend) for p in pools]
+    return offs[0], offs[1], pools[0], pools[1]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("backend", CASES)
+@pytest.mark.parametrize("bpc", [1, 2])
+async def test_pitched_moves_what_the_reference_path_moves(backend: str, bpc: int) -> None:
+    off, ref, pool, ref_pool = _twins(backend, bpc, seed=40 + bpc)
+    mem = Mem(backend)
+    rng = np.random.default_rng(bpc)
+    for round_ in range(3):
+        # group 0: 5 blocks from logical block 1 (mid-chunk when bpc > 1), group 1: 3 blocks
+        gpu = rng.choice(BLOCKS, 8, replace=False).tolist()
+        n0 = -(-(5 + 1 % bpc) // bpc)
+        n1 = -(-3 // bpc)
+        cpu = rng.choice(CHUNKS, n0 + n1, replace=False).tolist()
+        kw = dict(gpu_blocks=gpu, cpu_chunks=cpu, group_sizes=[5, 3], block_indices=[1, 0])
+        got = await off.store(**kw, path="pitched")
+        await ref.store(**kw, path=REFERENCE[backend])
+        assert got.success and got.bytes == 8 * 4 * PAGE
+        for a, b in zip(off.cpu_tensors, ref.cpu_tensors):
+            np.testing.assert_array_equal(a, b)
+        # and back into other blocks
+        back = rng.choice(BLOCKS, 8, replace=False).tolist()
+        kw = dict(cpu_chunks=cpu, gpu_blocks=back, group_sizes=[5, 3], block_indices=[1, 0])
+        await off.load(**kw, path="pitched")
+        await ref.load(**kw, path=REFERENCE[backend])
+        np.testing.assert_array_equal(mem.to_numpy(pool), mem.to_numpy(ref_pool), str(round_))
+    assert off.backend.counts["pitched"] == 6
+    await off.aclose()
+    await ref.aclose()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("backend", CASES)
+async def test_a_block_of_a_group_is_one_copy_of_all_its_tensors(backend: str) -> None:
+    off, ref, pool, _ = _twins(backend, 1, seed=50)
+    plan = off._submitter.plan("d2h", [3, 9], [0, 1], [1, 1], None)
+    assert mean_height(plan) == 4  # each group's 4 tensors in one copy per block
+    await off.aclose()
+    await ref.aclose()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("backend", CASES)
+async def test_layerwise_pitched_loads_signal_each_layer(backend: str) -> None:
+    off, ref, pool, ref_pool = _twins(backend, 1, seed=60)
+    mem = Mem(backend)
+    ids = list(range(6))
+    await off.store(gpu_blocks=ids, cpu_chunks=ids, group_sizes=[6, 0])
+    await ref.store(gpu_blocks=ids, cpu_chunks=ids, group_sizes=[6, 0])
+    layers = [[0, 1], [2, 3], [4, 5], [6, 7]]
+    t = off.load_layerwise(cpu_chunks=ids, gpu_blocks=list(range(10, 16)), layers=layers,
+                           group_sizes=[6, 0], path="pitched")
+    for i in range(len(layers)):
+        assert (await t.layers[i]).success
+    await ref.load(cpu_chunks=ids, gpu_blocks=list(range(10, 16)), group_sizes=[6, 0],
+                   path=REFERENCE[backend])
+    np.testing.assert_array_equal(mem.to_numpy(pool), mem.to_numpy(ref_pool))
+    await off.aclose()
+    await ref.aclose()
+
+
+@pytest.mark.parametrize("backend", CASES)
+def test_separate_tensors_still_move_and_a_canonical_layout_is_refused(backend: str) -> None:
+    mem = Mem(backend)
+    gpu = [mem.rand_u8((BLOCKS, PAGE), seed=70 + t) for t in range(3)]
+    off = kv.Offloader(kv.KVCacheLayout.from_tensors(gpu), CHUNKS, backend=backend)
+    assert off.store(gpu_blocks=[4, 5], cpu_chunks=[1, 2], path="pitched").wait(30).success
+    for t in range(3):
+        np.testing.assert_array_equal(off.cpu_tensors[t][1:3].reshape(2, PAGE),
+                                      mem.to_numpy(gpu[t])[4:6])
+    off.close()
+    # canonical pages copy parts of pages: refused with nothing enqueued
+    half = PAGE // 2
+    split = kv.PageMapping(PAGE + 16, PAGE, (kv.CopyRun(0, 0, half), kv.CopyRun(half, half + 16, half)))
+    mapped = kv.KVCacheLayout([kv.KVTensor(g) for g in gpu],
+                              [[kv.KVRef(t, mapping=split) for t in range(3)]])
+    off = kv.Offloader(mapped, CHUNKS, backend=backend, canonical=True)
+    with pytest.raises(kv.InvalidTransferError, match="pitched"):
+        off.store(gpu_blocks=[4], cpu_chunks=[1], path="pitched")
+    assert sum(lane.submitted for lane in off.stats().lanes) == 0
+    off.close()
