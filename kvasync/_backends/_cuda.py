@@ -9,9 +9,8 @@ module each, with the facts each is built on:
   `cudaMemcpyAsync` per coalesced descriptor; big batches fan out over helper streams.
 - ``"staged"`` (`_cuda_staged`): a kernel packs scattered pages into a device buffer, the
   copy engines move the buffer in a few long runs.
-- ``"pitched"``: one `cudaMemcpy2DAsync` per block moves the block's page of every
-  evenly spaced KV tensor to or from its host row (`_program/pitched.py`): copy engines
-  only, no kernel and no staging buffer.
+- ``"pitched"`` (`_cuda_pitched`): one `cudaMemcpy2DAsync` per block moves its page of
+  every evenly spaced KV tensor to or from its host row: copy engines only.
 - ``"auto"``: per transfer, the rules and the measured costs of `_cuda_policy`.
 
 Streams, events, host memory and the caller's compute stream are `_cuda_device`; the CUDA
@@ -26,7 +25,7 @@ import threading
 from typing import TYPE_CHECKING
 
 from .._errors import InvalidTransferError, TransferFailedError
-from .._program import build_pitched, check_pitchable, check_stageable, staged_rows
+from .._program import check_stageable, staged_rows
 from . import _cuda_dma, _cuda_policy, _cudart
 from ._base import Direction, Event, Overlap, Stream
 from ._cuda_device import (
@@ -40,6 +39,7 @@ from ._cuda_dma import DmaPath, FanRound
 from ._cuda_kernel import DEFAULT_GRID, KernelPath, StagingPool, TableCache
 from ._cuda_kernels import CopyKernels
 from ._cuda_pieces import enqueue_fanned, enqueue_staged
+from ._cuda_pitched import enqueue_pitched, pitched_path
 from ._cuda_policy import Calibration, choose_auto, device_calibration, measure
 from ._cuda_registered import RegisteredCheck
 from ._cuda_staged import StagedPath, StagingRing
@@ -112,8 +112,8 @@ class CudaBackend(CudaDevice):
         self._warned_unpinned = False
         self._registered = RegisteredCheck(self.device_id)
         #: how many transfers each concrete path ran (for tests and the benchmark)
-        self.counts: dict[str, int] = {"kernel": 0, "dma": 0, "dma_batch": 0, "dma_each": 0,
-                                       "dma_fanned": 0, "staged": 0, "pitched": 0}
+        self.counts: dict[str, int] = dict.fromkeys(
+            ("kernel", "dma", "dma_batch", "dma_each", "dma_fanned", "staged", "pitched"), 0)
         #: staging bytes per direction of the "staged" path (set before its first use)
         self.staging_bytes = self.STAGING_BYTES
         #: CTAs of the staged path's pack/unpack kernel (0: one per SM, set at warm-up)
@@ -166,11 +166,8 @@ class CudaBackend(CudaDevice):
     ) -> str:
         if path not in self.paths:
             raise InvalidTransferError(f"unknown copy path {path!r}; choose one of {self.paths}")
-        if path == "dma":
-            return "dma"
-        if path == "pitched":
-            check_pitchable(plan)
-            return "pitched"
+        if path in ("dma", "pitched"):
+            return path if path == "dma" else pitched_path(plan)
         if path == "staged":
             if not self.kernel_available:
                 self._warn_once("copy path 'staged' needs working kernels; using 'dma'")
@@ -280,7 +277,7 @@ class CudaBackend(CudaDevice):
         if path == "kernel":
             self._kernel.copy(stream, plan, direction, self.grid)
         elif path == "pitched":
-            self._pitched(stream, plan)
+            enqueue_pitched(stream, plan)
         elif path == "staged":
             self._staged.enqueue(self._ring(direction), stream, plan, direction,
                                  self.staged_grid or DEFAULT_GRID, self._batch, edges, mark,
@@ -289,17 +286,6 @@ class CudaBackend(CudaDevice):
             self._dma.copy(stream, plan, direction, self._batch, fan,
                            each_runs=self.EACH_RUNS, fan_out=self.FAN_OUT,
                            fan_min_bytes=self.FAN_MIN_BYTES)
-
-    @staticmethod
-    def _pitched(stream: CudaStream, plan: TransferPlan) -> None:
-        """The plan's 2-D copies on `stream`, one `cudaMemcpy2DAsync` each."""
-        check_pitchable(plan)
-        program = build_pitched(plan)
-        try:
-            _cudart.memcpy_2d(program.src, program.dst, program.src_pitch, program.dst_pitch,
-                              program.width, program.height, stream.ptr)
-        except Exception as exc:  # CuPy's CUDARuntimeError: a bad pointer or pitch
-            raise TransferFailedError(f"pitched copy failed: {exc}") from exc
 
     def _ring(self, direction: str) -> StagingRing:
         """The staging ring of `direction` (first use: `staging_bytes`, `STAGING_BUFFERS`)."""
