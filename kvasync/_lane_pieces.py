@@ -90,7 +90,7 @@ class PieceSizes:
     #: (the caller only validates, builds the plan and records the order event): a 64 x 128
     #: blocks store of 16 KiB pages spent ~1.5 ms enqueueing its slabs on the H200 host
     DEFER_MIN_BYTES = 4 << 20
-    DEFER_PATHS = frozenset({"staged"})
+    DEFER_PATHS = frozenset({"staged", "pitched"})
 
     def _deferred(self, plan: TransferPlan, path: str, signal: Event | None) -> bool:
         # loads stay on the caller's thread: a compute stream may wait on their events as

@@ -25,7 +25,7 @@ import threading
 from typing import TYPE_CHECKING
 
 from .._errors import InvalidTransferError, TransferFailedError
-from .._program import check_stageable, staged_rows
+from .._program import check_stageable, mean_height, staged_rows
 from . import _cuda_dma, _cuda_policy, _cudart
 from ._base import Direction, Event, Overlap, Stream
 from ._cuda_device import (
@@ -76,6 +76,8 @@ class CudaBackend(CudaDevice):
     #: transfer takes the kernel, the smallest mean descriptor to DMA beside the other way
     STAGED_MIN_BYTES = _cuda_policy.STAGED_MIN_BYTES
     STAGED_MAX_PAGE_BYTES = _cuda_policy.STAGED_MAX_PAGE_BYTES
+    PITCHED_MIN_LINE_BYTES = _cuda_policy.PITCHED_MIN_LINE_BYTES
+    PITCHED_MIN_HEIGHT = _cuda_policy.PITCHED_MIN_HEIGHT
     URGENT_KERNEL = _cuda_policy.URGENT_KERNEL
     CONTENDED_DMA_BYTES = _cuda_policy.CONTENDED_DMA_BYTES
     #: DMA (`_cuda_dma`): runs sent as single copies, fan-out helper streams, the smallest
@@ -109,7 +111,6 @@ class CudaBackend(CudaDevice):
         self._batch: _cudart.BatchCopier | None = None
         self._staging = StagingPool(self.device_id)
         self._table_cache = TableCache(self.device_id)
-        self._warned_unpinned = False
         self._registered = RegisteredCheck(self.device_id)
         #: how many transfers each concrete path ran (for tests and the benchmark)
         self.counts: dict[str, int] = dict.fromkeys(
@@ -187,16 +188,12 @@ class CudaBackend(CudaDevice):
             return "kernel"
         return choose_auto(direction, plan, urgent, other_busy, layered, self.URGENT_KERNEL,
                            self.CONTENDED_DMA_BYTES, self.STAGED_MIN_BYTES, self._stage,
-                           self.calibration, self.STAGED_MAX_PAGE_BYTES)
+                           self.calibration, self.STAGED_MAX_PAGE_BYTES,
+                           self.PITCHED_MIN_LINE_BYTES, mean_height, self.PITCHED_MIN_HEIGHT)
 
     def _stage(self, plan: TransferPlan, direction: Direction) -> bool:
         """Whether "auto" may stage `plan` (its program is built piece by piece later)."""
         return staged_rows(plan, direction == "d2h", self._ring(direction).slab_bytes) is not None
-
-    def _warn_once(self, message: str) -> None:
-        if not self._warned_unpinned:
-            self._warned_unpinned = True
-            log.warning("kvasync: %s", message)
 
     def calibration(self) -> Calibration:
         """The device's measured path costs (the first call in the process measures them,

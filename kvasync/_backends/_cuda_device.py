@@ -257,6 +257,13 @@ class CudaDevice(Backend):
         #: table cache holds that memory) alive
         self._register: Callable[[int, int], bool] = partial(_register_on, self.device_id)
         self._unregister: Callable[[int], bool] = partial(_unregister_on, self.device_id)
+        self._warned_unpinned = False
+
+    def _warn_once(self, message: str) -> None:
+        """Log `message` as a warning, once per backend (a path fallback's reason)."""
+        if not self._warned_unpinned:
+            self._warned_unpinned = True
+            log.warning("kvasync: %s", message)
 
     @abstractmethod
     def warm_up(self) -> None:

@@ -9,6 +9,8 @@ import pytest
 
 from kvasync._backends._cuda_policy import (
     CONTENDED_DMA_BYTES,
+    PITCHED_MIN_HEIGHT,
+    PITCHED_MIN_LINE_BYTES,
     STAGED_MAX_PAGE_BYTES,
     STAGED_MIN_BYTES,
     Calibration,
@@ -57,3 +59,27 @@ def test_the_exceptions_to_staging() -> None:
 def test_contended_big_descriptors_go_to_dma_when_not_staged() -> None:
     plan = Plan(64 * MiB, 32)  # 2 MiB descriptors
     assert choose(plan, busy=True, stageable=False) == "dma"
+
+
+def choose_pitched(plan: Plan, height: float, *, urgent: bool = False, layered: bool = False,
+                   min_line: int = PITCHED_MIN_LINE_BYTES) -> str:
+    return choose_auto("h2d", plan, urgent, False, layered, True,  # type: ignore[arg-type]
+                       CONTENDED_DMA_BYTES, STAGED_MIN_BYTES, lambda p, d: True,
+                       Calibration.static_default, STAGED_MAX_PAGE_BYTES,
+                       min_line, lambda p: height, PITCHED_MIN_HEIGHT)
+
+
+@pytest.mark.parametrize("page", [16 * KiB, 64 * KiB, 256 * KiB, 2 * MiB])
+def test_tall_pitched_copies_of_big_enough_lines_go_pitched(page: int) -> None:
+    assert choose_pitched(Plan(64 * MiB, 64 * MiB // page), 64.0) == "pitched"
+
+
+def test_the_exceptions_to_pitched() -> None:
+    big = Plan(64 * MiB, 64 * MiB // (16 * KiB))
+    assert choose_pitched(big, 64.0, urgent=True) == "kernel"
+    assert choose_pitched(big, 64.0, layered=True) not in ("pitched", "staged")
+    assert choose_pitched(big, PITCHED_MIN_HEIGHT - 1) == "staged"  # short copies
+    assert choose_pitched(big, 0.0) == "staged"  # no pitched form
+    assert choose_pitched(big, 64.0, min_line=0) == "staged"  # turned off
+    small_lines = Plan(64 * MiB, 64 * MiB // (4 * KiB))  # the engines' short lines are slow
+    assert choose_pitched(small_lines, 64.0) == "staged"

@@ -111,3 +111,28 @@ def test_separate_tensors_still_move_and_a_canonical_layout_is_refused(backend: 
         off.store(gpu_blocks=[4], cpu_chunks=[1], path="pitched")
     assert sum(lane.submitted for lane in off.stats().lanes) == 0
     off.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.asyncio
+async def test_auto_sends_tall_copies_of_16_kib_pages_pitched() -> None:
+    """16 tensors of one pool, 16 KiB pages: "auto" runs "pitched" for a big store (enqueued
+    by the lane's launcher) and its load, and the kernel for an urgent load; bytes match."""
+    mem, t, blocks, page = Mem("cuda"), 16, 64, 16 << 10
+    pool = mem.rand_u8((t, blocks, page), seed=90)
+    off = kv.Offloader(kv.KVCacheLayout.from_tensors([pool[i] for i in range(t)]), blocks)
+    want = mem.to_numpy(pool).copy()
+    ids = list(range(0, 64, 2))  # 32 blocks x 16 tensors x 16 KiB = 8 MiB
+    assert (await off.store(gpu_blocks=ids, cpu_chunks=list(range(32)))).success
+    assert off.backend.counts["pitched"] == 1
+    for i in range(t):
+        np.testing.assert_array_equal(np.asarray(off.cpu_tensors[i])[:32], want[i, ids])
+    back = list(range(1, 64, 2))
+    assert (await off.load(cpu_chunks=list(range(32)), gpu_blocks=back)).success
+    assert off.backend.counts["pitched"] == 2
+    got = mem.to_numpy(pool)
+    np.testing.assert_array_equal(got[:, back], want[:, ids])
+    kernels = off.backend.counts["kernel"]
+    assert (await off.load(cpu_chunks=[0], gpu_blocks=[1], urgent=True)).success
+    assert off.backend.counts["kernel"] == kernels + 1
+    await off.aclose()
