@@ -62,7 +62,7 @@ def test_contended_big_descriptors_go_to_dma_when_not_staged() -> None:
 
 
 def choose_pitched(plan: Plan, height: float, *, urgent: bool = False, layered: bool = False,
-                   min_line: int = PITCHED_MIN_LINE_BYTES) -> str:
+                   min_line: int = 16 * KiB) -> str:
     return choose_auto("h2d", plan, urgent, False, layered, True,  # type: ignore[arg-type]
                        CONTENDED_DMA_BYTES, STAGED_MIN_BYTES, lambda p, d: True,
                        Calibration.static_default, STAGED_MAX_PAGE_BYTES,
@@ -72,6 +72,10 @@ def choose_pitched(plan: Plan, height: float, *, urgent: bool = False, layered: 
 @pytest.mark.parametrize("page", [16 * KiB, 64 * KiB, 256 * KiB, 2 * MiB])
 def test_tall_pitched_copies_of_big_enough_lines_go_pitched(page: int) -> None:
     assert choose_pitched(Plan(64 * MiB, 64 * MiB // page), 64.0) == "pitched"
+
+
+def test_pitched_is_off_by_default() -> None:
+    assert PITCHED_MIN_LINE_BYTES == 0
 
 
 def test_the_exceptions_to_pitched() -> None:

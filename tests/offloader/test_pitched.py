@@ -121,6 +121,7 @@ async def test_auto_sends_tall_copies_of_16_kib_pages_pitched() -> None:
     mem, t, blocks, page = Mem("cuda"), 16, 64, 16 << 10
     pool = mem.rand_u8((t, blocks, page), seed=90)
     off = kv.Offloader(kv.KVCacheLayout.from_tensors([pool[i] for i in range(t)]), blocks)
+    off.backend.PITCHED_MIN_LINE_BYTES = 16 << 10  # type: ignore[attr-defined]  # opt in
     want = mem.to_numpy(pool).copy()
     ids = list(range(0, 64, 2))  # 32 blocks x 16 tensors x 16 KiB = 8 MiB
     assert (await off.store(gpu_blocks=ids, cpu_chunks=list(range(32)))).success
