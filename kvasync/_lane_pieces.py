@@ -86,9 +86,10 @@ class PieceSizes:
         first = max(floor_first, int(self.FIRST_PIECE_BYTES / per_slot))
         return most, min(first, most)
 
-    #: staged stores of at least this many bytes are enqueued by the lane's launcher thread
-    #: (the caller only validates, builds the plan and records the order event): a 64 x 128
-    #: blocks store of 16 KiB pages spent ~1.5 ms enqueueing its slabs on the H200 host
+    #: staged and pitched stores of at least this many bytes are enqueued by the lane's
+    #: launcher thread (the caller only validates, builds the plan and records the order
+    #: event): a 64 x 128 blocks store of 16 KiB pages spent ~1.5 ms enqueueing its slabs
+    #: on the H200 host
     DEFER_MIN_BYTES = 4 << 20
     DEFER_PATHS = frozenset({"staged", "pitched"})
 

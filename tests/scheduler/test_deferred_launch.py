@@ -1,4 +1,4 @@
-"""Big staged stores are enqueued by the lane's launcher thread: `store()` returns once the
+"""Big staged and pitched stores are enqueued by the lane's launcher thread: `store()` returns once the
 compute-stream order is recorded, and the lane keeps its order, failures and shutdown."""
 
 from __future__ import annotations
@@ -56,8 +56,9 @@ async def test_deferred_stores_keep_order_with_later_transfers_of_the_lane() -> 
 @pytest.mark.asyncio
 @pytest.mark.timeout(60)
 @pytest.mark.usefixtures("defer_all")
-async def test_store_returns_before_its_copy_is_enqueued() -> None:
-    off, gpu = _offloader()
+@pytest.mark.parametrize("path", ["staged", "pitched"])
+async def test_store_returns_before_its_copy_is_enqueued(path: str) -> None:
+    off, gpu = _offloader(path)
     gate, entered = threading.Event(), threading.Event()
     real = off.backend.enqueue_copy
 
