@@ -15,7 +15,7 @@ import numpy as np
 
 from ._errors import InvalidTransferError
 
-__all__ = ["ArrayInfo", "array_info", "is_array", "move_to_front", "select"]
+__all__ = ["ArrayInfo", "allocation_of", "array_info", "is_array", "move_to_front", "select"]
 
 Device = Literal["cpu", "cuda"]
 
@@ -164,6 +164,25 @@ def array_info(x: Any, what: str = "tensor") -> ArrayInfo:
         f"{what}: expected a torch tensor, CuPy array or NumPy array, got "
         f"{type(x).__name__}{hint}"
     )
+
+
+def allocation_of(info: ArrayInfo) -> int:
+    """An id of the memory allocation `info`'s array lies in, from the array itself: a
+    torch storage's start, a CuPy memory's start, the id of a NumPy array's root buffer;
+    the array's own address (an allocation of its own) where nothing tells. Equal ids:
+    one allocation (arrays in one torch storage, one CuPy allocation or one buffer)."""
+    x = info.obj
+    if info.kind == "torch":
+        return int(x.untyped_storage().data_ptr())
+    if info.kind == "numpy":
+        while isinstance(x, np.ndarray) and x.base is not None:
+            x = x.base
+        while isinstance(x, memoryview):
+            x = x.obj
+        return int(x.ctypes.data) if isinstance(x, np.ndarray) else id(x)
+    mem = getattr(getattr(x, "data", None), "mem", None)  # CuPy: MemoryPointer.mem
+    ptr = getattr(mem, "ptr", None)
+    return int(ptr) if isinstance(ptr, int) else info.ptr
 
 
 def _c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from ._arrays import array_info
+from ._arrays import allocation_of, array_info
 from ._backends import Backend, Direction, HostMemory
 from ._errors import InvalidTransferError
 from ._hostmem import pin_chunks, row_offsets, unpin_chunks
@@ -108,6 +108,7 @@ def build_host_side(
         sub_stride=[0] * len(layout.tensors),
         num_rows=[t.num_blocks for t in layout.tensors],
         factor=1,
+        alloc=backend.allocation_ids([t.info for t in layout.tensors]),
     )
     host_geo = SideGeometry(
         base=[int(v.ctypes.data) for v in views],
@@ -115,6 +116,9 @@ def build_host_side(
         sub_stride=list(sub_bytes),
         num_rows=[num_cpu_chunks] * len(views),
         factor=blocks_per_chunk,
+        # the offloader's rows and a region are one allocation; caller arrays their own
+        alloc=([allocation_of(array_info(t)) for t in host_tensors]
+               if host_tensors is not None else [0] * len(views)),
     )
     tables: dict[Direction, RefTable] = {
         "d2h": build_ref_table(layout, gpu_geo, host_geo, True, canonical),

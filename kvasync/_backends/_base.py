@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
+from .._arrays import allocation_of
+
 if TYPE_CHECKING:
     from .._arrays import ArrayInfo
     from .._program import TransferPlan
@@ -203,6 +205,11 @@ class Backend(ABC):
     ) -> tuple[Callable[[int, int], bool], Callable[[int], bool]] | None:
         """(register, unregister) for pinning borrowed host memory, or None if not needed."""
         return None
+
+    def allocation_ids(self, infos: Sequence[ArrayInfo]) -> list[int]:
+        """Which allocation each device array lies in (equal ids: one allocation), for the
+        pitched path's runs: from the arrays themselves (`allocation_of`)."""
+        return [allocation_of(info) for info in infos]
 
     def register_array(self, info: ArrayInfo) -> None:  # noqa: B027 - optional hook
         """Tell the backend this memory takes part in transfers (for bounds checks)."""

@@ -23,7 +23,7 @@ import logging
 import sys
 import time
 from abc import abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -295,6 +295,18 @@ class CudaDevice(Backend):
             raise InvalidTransferError(
                 f"{what}: pointer {info.ptr:#x} is not device memory (cudaMemoryType {kind})"
             )
+
+    def allocation_ids(self, infos: Sequence[ArrayInfo]) -> list[int]:
+        """Each array's allocation start as the driver sees it (`allocation_base`: arrays
+        of one cudaMalloc segment share it); the arrays' own ids where the driver fails."""
+        try:
+            with self._device():
+                cupy().cuda.runtime.getDevice()  # the device's context is current
+                return [_cudart.allocation_base(info.ptr) for info in infos]
+        except Exception as exc:
+            log.info("kvasync: cuMemGetAddressRange failed (%s); tensors of separate "
+                     "storages are separate allocations", exc)
+            return super().allocation_ids(infos)
 
     def pin_functions(self) -> tuple[Callable[[int, int], bool], Callable[[int], bool]]:
         return self._register, self._unregister

@@ -317,7 +317,7 @@ def emulate_table(
 class CopyKernels:
     """The RawModule for one device, compiled on first use (or by `compile()`).
 
-    Launches go through `cuLaunchKernel` directly (`_cudart.KernelLauncher`, a fraction of
+    Launches go through `cuLaunchKernel` directly (`_cuda_launch.KernelLauncher`, a fraction of
     CuPy's per-launch cost); CuPy's launch is the fallback where the driver call cannot be
     made (no libcuda to open, or no current context on the calling thread).
     """
@@ -335,7 +335,8 @@ class CopyKernels:
         """Build (NVRTC, or CuPy's on-disk cache) and load the module on the current device."""
         if self._flat is not None:
             return
-        from ._cudart import KernelLauncher, cupy
+        from ._cuda_launch import KernelLauncher
+        from ._cudart import cupy
 
         module = cupy().RawModule(code=SOURCE, options=("--std=c++17",))
         module.compile()

@@ -47,7 +47,9 @@ names (the backend passes its current values to `choose_auto`):
   the ceiling (h2d) and 0.85 / 0.94 / 1.01 (d2h), staged 0.91 / 0.93 / - and 0.87 / 0.85 /
   -; beside a bf16 matmul loop at 16 KiB it kept the matmul at 100-102% while moving
   90% / 84% of the link, staged 101% / 96% at 81% / 76%. At 4 KiB the engines' 2-D copy
-  of short lines is slow (0.58 / 0.66), so smaller pages stay staged.
+  of short lines is slow (0.58 / 0.66), so smaller pages stay staged. A run of lines never
+  crosses an allocation (the driver refuses such a 2-D copy), so tensors allocated one by
+  one make short copies and stay on the other rules.
 """
 
 from __future__ import annotations
@@ -89,9 +91,7 @@ URGENT_KERNEL = True
 CONTENDED_DMA_BYTES = 64 << 10
 STAGED_MIN_BYTES = 2 << 20
 STAGED_MAX_PAGE_BYTES = 128 << 10
-#: off by default: tensors evenly spaced across separate allocations (a caching allocator's
-#: segments) made cudaMemcpy2DAsync fail (invalid argument) on an H100; opt in per backend
-PITCHED_MIN_LINE_BYTES = 0
+PITCHED_MIN_LINE_BYTES = 16 << 10
 PITCHED_MIN_HEIGHT = 8.0
 #: the concrete paths calibration times
 PATHS = ("kernel", "dma")

@@ -40,7 +40,7 @@ __all__ = [
     "HOST_REGISTER_PORTABLE",
     "BatchCopier",
     "CudaCallError",
-    "KernelLauncher",
+    "allocation_base",
     "batch_copier",
     "cupy",
     "driver_version",
@@ -330,47 +330,15 @@ def libcuda() -> ctypes.CDLL:
     return _libcuda
 
 
-# -- cuLaunchKernel -----------------------------------------------------------------------------
-class KernelLauncher:
-    """`cuLaunchKernel` of one compiled function whose parameters are all 64-bit words.
-
-    Why not CuPy's launch: it converts and packs every argument per call (7-8 us on the
-    H200's host, measured), a third of a small transfer's budget; this writes the words
-    into a per-thread parameter buffer and makes one ctypes call (~1-2 us). The driver
-    copies the parameters during the call, so the buffer is reusable when it returns.
-    The calling thread must have the function's context current (any runtime call on the
-    device, e.g. the event record before every copy, makes it so).
-    """
-
-    def __init__(self, function_ptr: int, nargs: int) -> None:
-        lib = libcuda()
-        fn = lib.cuLaunchKernel
-        fn.restype = ctypes.c_int
-        fn.argtypes = [_P, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint,
-                       ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, _P, _P, _P]
-        self._fn = fn
-        self._lib = lib
-        self._func = int(function_ptr)
-        self.nargs = nargs
-        self._local = threading.local()
-
-    def _buffers(self) -> tuple[Any, Any]:
-        bufs = getattr(self._local, "bufs", None)
-        if bufs is None:
-            words = (ctypes.c_uint64 * self.nargs)()
-            base = ctypes.addressof(words)
-            params = (ctypes.c_void_p * self.nargs)(*[base + 8 * i for i in range(self.nargs)])
-            bufs = self._local.bufs = (words, params)
-        return bufs
-
-    def __call__(self, grid: int, block: int, stream: int, args: list[int]) -> None:
-        """Wraps `cuLaunchKernel(f, grid,1,1, block,1,1, 0, stream, params, NULL)`; returns
-        without waiting for the kernel. Raises CudaCallError on failure."""
-        words, params = self._buffers()
-        words[:] = args
-        rc = self._fn(self._func, grid, 1, 1, block, 1, 1, 0, stream, params, None)
-        if rc != 0:
-            raise CudaCallError("cuLaunchKernel", rc, error_name(self._lib, rc))
+def allocation_base(ptr: int) -> int:
+    """Wraps `cuMemGetAddressRange_v2(&base, NULL, ptr)`; never blocks. The start of the
+    allocation holding device address `ptr` (the device's context current). Raises
+    CudaCallError."""
+    lib, base = libcuda(), ctypes.c_uint64(0)
+    rc = lib.cuMemGetAddressRange_v2(ctypes.byref(base), None, ctypes.c_uint64(ptr))
+    if rc != 0:
+        raise CudaCallError("cuMemGetAddressRange_v2", rc, error_name(lib, rc))
+    return int(base.value)
 
 
 _batch: BatchCopier | None = None

@@ -65,9 +65,9 @@ class PitchedProgram:
 def line_runs(table: RefTable, refs: np.ndarray) -> tuple[LineRun, ...] | None:
     """`refs` (in their order) as maximal runs of lines, or None where a ref is not one
     whole-page copy (fragments, canonical pages: the lines of a copy are equal). A run
-    grows while the next ref has the run's width and strides and lies one pitch further
-    on both sides (pitches positive, at least the width, at most `MAX_PITCH`). Cached per
-    ref set."""
+    grows while the next ref has the run's width and strides, lies one pitch further on
+    both sides (pitches positive, at least the width, at most `MAX_PITCH`) and in the same
+    allocation on both sides (`SideGeometry.alloc`). Cached per ref set."""
     key = ("lines", refs.tobytes())
     cache = table.cache
     if key in cache:
@@ -81,6 +81,7 @@ def line_runs(table: RefTable, refs: np.ndarray) -> tuple[LineRun, ...] | None:
                   int(table.dst_row_stride[r]), int(table.dst_sub_stride[r])) for r in rs]
         sb = [int(table.src_base[r]) for r in rs]
         db = [int(table.dst_base[r]) for r in rs]
+        alloc = [_alloc(table, r) for r in rs]
         runs: list[LineRun] = []
         i = 0
         while i < len(rs):
@@ -91,7 +92,8 @@ def line_runs(table: RefTable, refs: np.ndarray) -> tuple[LineRun, ...] | None:
                 sp = dp = w
             else:
                 while (j < len(rs) and width[j] == w and shape[j] == shape[i]
-                       and sb[j] - sb[j - 1] == sp and db[j] - db[j - 1] == dp):
+                       and sb[j] - sb[j - 1] == sp and db[j] - db[j - 1] == dp
+                       and alloc[j] == alloc[i]):
                     j += 1
                 if j - i == 1:
                     sp = dp = w
@@ -101,6 +103,13 @@ def line_runs(table: RefTable, refs: np.ndarray) -> tuple[LineRun, ...] | None:
     if len(cache) < 4096:
         cache[key] = out
     return out
+
+
+def _alloc(table: RefTable, ref: int) -> tuple[int, int]:
+    """The (source, destination) allocation ids of `ref`'s tensor."""
+    t = int(table.tensor_idx[ref])
+    return (table.src.alloc[t] if table.src.alloc else 0,
+            table.dst.alloc[t] if table.dst.alloc else 0)
 
 
 def check_pitchable(plan: TransferPlan) -> None:

@@ -35,6 +35,9 @@ class SideGeometry:
     sub_stride: list[int]
     num_rows: list[int]
     factor: int
+    #: which allocation each tensor lies in (equal ids: one allocation; empty: all one). A
+    #: 2-D copy's lines must not cross allocations (`cudaMemcpy2DAsync` rejects the region)
+    alloc: list[int] = field(default_factory=list)
 
 
 @dataclass

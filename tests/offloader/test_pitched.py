@@ -121,7 +121,6 @@ async def test_auto_sends_tall_copies_of_16_kib_pages_pitched() -> None:
     mem, t, blocks, page = Mem("cuda"), 16, 64, 16 << 10
     pool = mem.rand_u8((t, blocks, page), seed=90)
     off = kv.Offloader(kv.KVCacheLayout.from_tensors([pool[i] for i in range(t)]), blocks)
-    off.backend.PITCHED_MIN_LINE_BYTES = 16 << 10  # type: ignore[attr-defined]  # opt in
     want = mem.to_numpy(pool).copy()
     ids = list(range(0, 64, 2))  # 32 blocks x 16 tensors x 16 KiB = 8 MiB
     assert (await off.store(gpu_blocks=ids, cpu_chunks=list(range(32)))).success
@@ -136,4 +135,70 @@ async def test_auto_sends_tall_copies_of_16_kib_pages_pitched() -> None:
     kernels = off.backend.counts["kernel"]
     assert (await off.load(cpu_chunks=[0], gpu_blocks=[1], urgent=True)).success
     assert off.backend.counts["kernel"] == kernels + 1
+    await off.aclose()
+
+
+@pytest.mark.parametrize("backend", CASES)
+def test_tables_know_which_allocation_each_tensor_lies_in(backend: str) -> None:
+    """Views of one pool share an allocation; tensors allocated one by one do not (on the
+    host backend by storage, on CUDA as the driver sees it)."""
+    mem = Mem(backend)
+    pool = mem.rand_u8((4, BLOCKS, PAGE), seed=80)
+    apart = [mem.rand_u8((BLOCKS, 64 << 10), seed=81 + t) for t in range(2)]  # 2 MiB each
+    off = kv.Offloader(kv.KVCacheLayout.from_tensors([*(pool[t] for t in range(4)), *apart]),
+                       CHUNKS, backend=backend)
+    gpu = off._tables["d2h"].src
+    assert len(set(gpu.alloc[:4])) == 1
+    assert len(set(gpu.alloc)) == 3
+    assert len(set(off._tables["d2h"].dst.alloc)) == 1  # the offloader's own rows
+    off.close()
+
+
+@pytest.mark.gpu
+def test_the_driver_names_each_allocation_and_its_inner_views() -> None:
+    """`allocation_ids` on the CUDA backend: raw cudaMalloc buffers (no caching pool between)
+    are distinct allocations even where they lie evenly spaced; a view inside one is it."""
+    import cupy as cp
+
+    from kvasync._arrays import array_info
+
+    size, ptrs = 4 << 20, [cp.cuda.runtime.malloc(4 << 20) for _ in range(4)]
+    try:
+        def view(ptr: int, offset: int) -> Any:
+            memory = cp.cuda.UnownedMemory(ptr, size, None)
+            return cp.ndarray((16, 1024), cp.uint8, cp.cuda.MemoryPointer(memory, offset))
+
+        backend = kv.Offloader(kv.KVCacheLayout.from_tensors([view(ptrs[0], 0)]), 2,
+                               backend="cuda").backend
+        ids = backend.allocation_ids([array_info(view(p, 0)) for p in ptrs]
+                                     + [array_info(view(ptrs[2], 1 << 20))])
+        assert ids[:4] == ptrs and ids[4] == ptrs[2]
+        backend.close()
+    finally:
+        for p in ptrs:
+            cp.cuda.runtime.free(p)
+
+
+@pytest.mark.gpu
+@pytest.mark.asyncio
+@pytest.mark.parametrize("page", [16 << 10, 4 << 10])
+async def test_pitched_over_tensors_allocated_one_by_one(page: int) -> None:
+    """64 tensors of 1 MiB or 256 KiB allocated one by one lie evenly spaced inside and across
+    the caching allocator's segments: a 2-D copy over neighbouring segments is refused by
+    the driver, so runs stop at each segment; every byte still lands, on "pitched" and
+    on "auto" (pitched from 4 KiB pages here)."""
+    mem, t, blocks = Mem("cuda"), 64, 64
+    gpu = [mem.rand_u8((blocks, page), seed=100 + i) for i in range(t)]
+    off = kv.Offloader(kv.KVCacheLayout.from_tensors(gpu), blocks)
+    off.backend.PITCHED_MIN_LINE_BYTES = 4 << 10  # type: ignore[attr-defined]  # 4 KiB too
+    want = [mem.to_numpy(g) for g in gpu]
+    ids = list(range(0, blocks, 2))
+    for path in ("pitched", "auto"):
+        assert (await off.store(gpu_blocks=ids, cpu_chunks=list(range(32)), path=path)).success
+        for i in range(t):
+            np.testing.assert_array_equal(np.asarray(off.cpu_tensors[i])[:32], want[i][ids])
+        back = list(range(1, blocks, 2))
+        assert (await off.load(cpu_chunks=list(range(32)), gpu_blocks=back, path=path)).success
+        for i in range(t):
+            np.testing.assert_array_equal(mem.to_numpy(gpu[i])[back], want[i][ids])
     await off.aclose()

@@ -12,7 +12,7 @@ from test_descriptors_property import BIG, oracle_refs, scenario
 
 from kvasync import InvalidTransferError
 from kvasync._layout import KVCacheLayout, KVRef, KVTensor
-from kvasync._program import SideGeometry, build_plan, build_ref_table
+from kvasync._program import RefTable, SideGeometry, build_plan, build_ref_table
 from kvasync._program.pitched import (
     MAX_PITCH,
     build_pitched,
@@ -56,9 +56,13 @@ def _setup(s: dict, data: st.DataObject, pool: bool = False) -> tuple:  # type: 
         pos += sub[t] * bpc + (data.draw(st.integers(0, 2)) if gaps else 0)
     row = pos + data.draw(st.integers(0, 5))
     base = BIG * 1000 + 3
-    gpu = SideGeometry(gpu_base, gpu_rows, [0] * n_t, s["num_blocks"], 1)
+    # allocations: one (or unknown) in a pool; else each side's tensors drawn into a few
+    allocs = [[] if pool else data.draw(st.sampled_from([[], [0] * n_t])) or
+              data.draw(st.lists(st.integers(0, 2), min_size=n_t, max_size=n_t))
+              for _ in range(2)]
+    gpu = SideGeometry(gpu_base, gpu_rows, [0] * n_t, s["num_blocks"], 1, allocs[0])
     host = SideGeometry([base + offsets[t] for t in range(n_t)], [row] * n_t, list(sub),
-                        [s["num_chunks"]] * n_t, bpc)
+                        [s["num_chunks"]] * n_t, bpc, allocs[1])
     table = build_ref_table(layout, gpu, host, s["store"], s["canonical"])
     expected = copies(oracle_refs(s), Side(gpu.base, gpu_rows, [0] * n_t),
                       Side(host.base, [row] * n_t, list(sub)), bpc, s["gpu"], s["cpu"],
@@ -103,10 +107,13 @@ def _check(s: dict, data: st.DataObject, pool: bool) -> list[int]:  # type: igno
     assert (program.src_pitch[many] >= program.width[many]).all()
     assert (program.dst_pitch[many] >= program.width[many]).all()
     assert (program.src_pitch <= MAX_PITCH).all() and (program.dst_pitch <= MAX_PITCH).all()
-    # runs are maximal: two neighbouring runs of a ref set never continue one another
+    # runs are maximal: two neighbouring runs of a ref set never continue one another;
+    # a run's lines lie in one allocation on each side
     for seg in plan.segments:
         runs = line_runs(table, seg.refs)
         assert runs is not None and sum(r.height for r in runs) == len(seg.refs)
+        for r in runs:
+            assert len({_allocs(table, int(x)) for x in seg.refs[r.start:r.start + r.height]}) == 1
         for a, b in zip(runs, runs[1:]):
             ra, rb = int(seg.refs[a.start + a.height - 1]), int(seg.refs[b.start])
             continues = (a.width == b.width
@@ -115,9 +122,33 @@ def _check(s: dict, data: st.DataObject, pool: bool) -> list[int]:  # type: igno
                          and table.src_row_stride[ra] == table.src_row_stride[rb]
                          and table.dst_row_stride[ra] == table.dst_row_stride[rb]
                          and table.src_sub_stride[ra] == table.src_sub_stride[rb]
-                         and table.dst_sub_stride[ra] == table.dst_sub_stride[rb])
+                         and table.dst_sub_stride[ra] == table.dst_sub_stride[rb]
+                         and _allocs(table, ra) == _allocs(table, rb))
             assert not (continues and a.height > 1), (a, b)
     return [int(h) for h in program.height.tolist()]
+
+
+def _allocs(table: RefTable, ref: int) -> tuple[int, int]:
+    t = int(table.tensor_idx[ref])
+    return (table.src.alloc[t] if table.src.alloc else 0,
+            table.dst.alloc[t] if table.dst.alloc else 0)
+
+
+def test_a_run_stops_where_an_allocation_ends() -> None:
+    """Evenly spaced tensors of two GPU allocations (a caching allocator's neighbouring
+    segments) are two runs: a 2-D copy across them is refused by the driver."""
+    n_t, page, blocks, chunks = 8, 64, 16, 4
+    layout = KVCacheLayout([KVTensor(np.zeros((blocks, page), np.uint8)) for _ in range(n_t)])
+    gpu_alloc = [BIG if t < 5 else BIG + 5 * blocks * page for t in range(n_t)]
+    gpu = SideGeometry([BIG + t * blocks * page for t in range(n_t)], [page] * n_t,
+                       [0] * n_t, [blocks] * n_t, 1, gpu_alloc)
+    host = SideGeometry([BIG * 10 + t * page for t in range(n_t)], [n_t * page] * n_t,
+                        [page] * n_t, [chunks] * n_t, 1, [7] * n_t)
+    for store in (True, False):
+        table = build_ref_table(layout, gpu, host, store, False)
+        plan = build_plan(table, [5, 3], [1, 2], None, [1], store, chunks)
+        assert build_pitched(plan).height.tolist() == [5, 5, 3, 3]
+        assert mean_height(plan) == 4
 
 
 def test_one_pool_in_row_order_is_one_copy_per_block() -> None:
