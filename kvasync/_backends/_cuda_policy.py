@@ -42,14 +42,16 @@ names (the backend passes its current values to `choose_auto`):
   2-D copy per block and run of evenly spaced tensors, copy engines only) ahead of every
   rule but the urgent one when its pages average at least `PITCHED_MIN_LINE_BYTES` and its
   copies at least `PITCHED_MIN_HEIGHT` lines (not for one layer of a layer-wise load: a
-  layer's copies are 2 lines); 0 turns it off. Measured on an H100 (64 tensors, 512 MiB,
-  random blocks): alone at 16 / 64 KiB / 2 MiB pages pitched moved 0.87 / 0.92 / 1.01 of
-  the ceiling (h2d) and 0.85 / 0.94 / 1.01 (d2h), staged 0.91 / 0.93 / - and 0.87 / 0.85 /
-  -; beside a bf16 matmul loop at 16 KiB it kept the matmul at 100-102% while moving
-  90% / 84% of the link, staged 101% / 96% at 81% / 76%. At 4 KiB the engines' 2-D copy
-  of short lines is slow (0.58 / 0.66), so smaller pages stay staged. A run of lines never
-  crosses an allocation (the driver refuses such a 2-D copy), so tensors allocated one by
-  one make short copies and stay on the other rules.
+  layer's copies are 2 lines); 0 turns it off. Measured on an H100 (64 tensors of one
+  pool, 1 GiB per transfer, random blocks, docs/benchmarks/bench.json): alone at 64 /
+  256 KiB / 2 MiB pages pitched moved 0.95 / 0.98 / 0.99 of the ceiling (h2d) and 0.94 /
+  0.97 / 0.99 (d2h), staged 0.96 / 0.95 / - and 0.95 / 0.95 / -; store and load at once
+  at 64 KiB 0.94 of the bidirectional ceiling against staged 0.92; beside a bf16 matmul
+  loop at 256 KiB it kept 97-98% of the matmul at 94-98% of the link, staged 92-97% at
+  50-71%. At 16 KiB its copies ran at 0.73 / 0.73 alone (staged 0.95 / 0.94), and at
+  4 KiB at 0.49 / 0.55: smaller pages stay staged. A run of lines never crosses an
+  allocation (the driver refuses such a 2-D copy), so tensors allocated one by one make
+  short copies and stay on the other rules.
 """
 
 from __future__ import annotations
@@ -91,7 +93,7 @@ URGENT_KERNEL = True
 CONTENDED_DMA_BYTES = 64 << 10
 STAGED_MIN_BYTES = 2 << 20
 STAGED_MAX_PAGE_BYTES = 128 << 10
-PITCHED_MIN_LINE_BYTES = 16 << 10
+PITCHED_MIN_LINE_BYTES = 64 << 10
 PITCHED_MIN_HEIGHT = 8.0
 #: the concrete paths calibration times
 PATHS = ("kernel", "dma")

@@ -74,8 +74,8 @@ def test_tall_pitched_copies_of_big_enough_lines_go_pitched(page: int) -> None:
     assert choose_pitched(Plan(64 * MiB, 64 * MiB // page), 64.0) == "pitched"
 
 
-def test_pitched_starts_at_16_kib_pages() -> None:
-    assert PITCHED_MIN_LINE_BYTES // KiB == 16
+def test_pitched_starts_at_64_kib_pages() -> None:
+    assert PITCHED_MIN_LINE_BYTES // KiB == 64
 
 
 def test_the_exceptions_to_pitched() -> None:

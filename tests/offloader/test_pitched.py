@@ -115,14 +115,14 @@ def test_separate_tensors_still_move_and_a_canonical_layout_is_refused(backend: 
 
 @pytest.mark.gpu
 @pytest.mark.asyncio
-async def test_auto_sends_tall_copies_of_16_kib_pages_pitched() -> None:
-    """16 tensors of one pool, 16 KiB pages: "auto" runs "pitched" for a big store (enqueued
+async def test_auto_sends_tall_copies_of_64_kib_pages_pitched() -> None:
+    """16 tensors of one pool, 64 KiB pages: "auto" runs "pitched" for a big store (enqueued
     by the lane's launcher) and its load, and the kernel for an urgent load; bytes match."""
-    mem, t, blocks, page = Mem("cuda"), 16, 64, 16 << 10
+    mem, t, blocks, page = Mem("cuda"), 16, 64, 64 << 10
     pool = mem.rand_u8((t, blocks, page), seed=90)
     off = kv.Offloader(kv.KVCacheLayout.from_tensors([pool[i] for i in range(t)]), blocks)
     want = mem.to_numpy(pool).copy()
-    ids = list(range(0, 64, 2))  # 32 blocks x 16 tensors x 16 KiB = 8 MiB
+    ids = list(range(0, 64, 2))  # 32 blocks x 16 tensors x 64 KiB = 32 MiB
     assert (await off.store(gpu_blocks=ids, cpu_chunks=list(range(32)))).success
     assert off.backend.counts["pitched"] == 1
     for i in range(t):
@@ -140,8 +140,9 @@ async def test_auto_sends_tall_copies_of_16_kib_pages_pitched() -> None:
 
 @pytest.mark.parametrize("backend", CASES)
 def test_tables_know_which_allocation_each_tensor_lies_in(backend: str) -> None:
-    """Views of one pool share an allocation; tensors allocated one by one do not (on the
-    host backend by storage, on CUDA as the driver sees it)."""
+    """Views of one pool share an allocation; tensors allocated apart do not (on the host
+    backend by storage; on CUDA as the driver sees it: the caching allocator may put the
+    two 2 MiB tensors in one segment, never beside the small pool's 32 KiB)."""
     mem = Mem(backend)
     pool = mem.rand_u8((4, BLOCKS, PAGE), seed=80)
     apart = [mem.rand_u8((BLOCKS, 64 << 10), seed=81 + t) for t in range(2)]  # 2 MiB each
@@ -149,7 +150,9 @@ def test_tables_know_which_allocation_each_tensor_lies_in(backend: str) -> None:
                        CHUNKS, backend=backend)
     gpu = off._tables["d2h"].src
     assert len(set(gpu.alloc[:4])) == 1
-    assert len(set(gpu.alloc)) == 3
+    assert gpu.alloc[4] != gpu.alloc[0] and gpu.alloc[5] != gpu.alloc[0]
+    if backend == "host":
+        assert gpu.alloc[4] != gpu.alloc[5]
     assert len(set(off._tables["d2h"].dst.alloc)) == 1  # the offloader's own rows
     off.close()
 

@@ -28,7 +28,7 @@ import kvasync as kv
 from ..common import DIRECTIONS, KiB, MiB, Row, Section, fmt_size
 from ..context import WAIT_S, Context, submit
 
-PAGES = (4 * KiB, 16 * KiB, 256 * KiB)
+PAGES = (4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB)
 MATMUL_N = 8192
 DEPTH = 6
 WINDOW_S = 0.4
