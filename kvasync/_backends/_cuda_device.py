@@ -301,7 +301,7 @@ class CudaDevice(Backend):
         of one cudaMalloc segment share it); the arrays' own ids where the driver fails."""
         try:
             with self._device():
-                cupy().cuda.runtime.getDevice()  # the device's context is current
+                cupy().cuda.runtime.setDevice(self.device_id)  # makes its context current
                 return [_cudart.allocation_base(info.ptr) for info in infos]
         except Exception as exc:
             log.info("kvasync: cuMemGetAddressRange failed (%s); tensors of separate "
