@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from ._arrays import allocation_of, array_info
+from ._arrays import array_info
 from ._backends import Backend, Direction, HostMemory
 from ._errors import InvalidTransferError
 from ._hostmem import pin_chunks, row_offsets, unpin_chunks
@@ -116,9 +116,9 @@ def build_host_side(
         sub_stride=list(sub_bytes),
         num_rows=[num_cpu_chunks] * len(views),
         factor=blocks_per_chunk,
-        # the offloader's rows and a region are one allocation; caller arrays their own
-        alloc=([allocation_of(array_info(t)) for t in host_tensors]
-               if host_tensors is not None else [0] * len(views)),
+        # the offloader's rows and a region are one allocation, pinned in whole rows; caller
+        # arrays are pinned one by one, so each is its own (even views of one buffer)
+        alloc=list(range(len(views))) if host_tensors is not None else [0] * len(views),
     )
     tables: dict[Direction, RefTable] = {
         "d2h": build_ref_table(layout, gpu_geo, host_geo, True, canonical),

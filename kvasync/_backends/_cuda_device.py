@@ -297,12 +297,19 @@ class CudaDevice(Backend):
             )
 
     def allocation_ids(self, infos: Sequence[ArrayInfo]) -> list[int]:
-        """Each array's allocation start as the driver sees it (`allocation_base`: arrays
-        of one cudaMalloc segment share it); the arrays' own ids where the driver fails."""
+        """Each array's allocation start as the driver sees it (`allocation_range`: arrays
+        of one cudaMalloc segment share it); an id of its own for an array reaching past
+        that allocation (mapped memory in chunks); the arrays' own ids where it fails."""
         try:
             with self._device():
                 cupy().cuda.runtime.setDevice(self.device_id)  # makes its context current
-                return [_cudart.allocation_base(info.ptr) for info in infos]
+                out = []
+                for i, info in enumerate(infos):
+                    base, size = _cudart.allocation_range(info.ptr)
+                    ptr, row, stride, n = info.rows()
+                    inside = ptr + max(n - 1, 0) * stride + row <= base + size
+                    out.append(base if inside else -1 - i)
+                return out
         except Exception as exc:
             log.info("kvasync: cuMemGetAddressRange failed (%s); tensors of separate "
                      "storages are separate allocations", exc)

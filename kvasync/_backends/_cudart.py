@@ -40,7 +40,7 @@ __all__ = [
     "HOST_REGISTER_PORTABLE",
     "BatchCopier",
     "CudaCallError",
-    "allocation_base",
+    "allocation_range",
     "batch_copier",
     "cupy",
     "driver_version",
@@ -330,15 +330,15 @@ def libcuda() -> ctypes.CDLL:
     return _libcuda
 
 
-def allocation_base(ptr: int) -> int:
-    """Wraps `cuMemGetAddressRange_v2(&base, NULL, ptr)`; never blocks. The start of the
-    allocation holding device address `ptr` (the device's context current). Raises
-    CudaCallError."""
-    lib, base = libcuda(), ctypes.c_uint64(0)
-    rc = lib.cuMemGetAddressRange_v2(ctypes.byref(base), None, ctypes.c_uint64(ptr))
+def allocation_range(ptr: int) -> tuple[int, int]:
+    """Wraps `cuMemGetAddressRange_v2(&base, &size, ptr)`; never blocks. (start, bytes) of
+    the allocation holding device address `ptr` (for mapped memory: its mapped chunk); the
+    device's context current. Raises CudaCallError."""
+    lib, base, size = libcuda(), ctypes.c_uint64(0), ctypes.c_size_t(0)
+    rc = lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr))
     if rc != 0:
         raise CudaCallError("cuMemGetAddressRange_v2", rc, error_name(lib, rc))
-    return int(base.value)
+    return int(base.value), int(size.value)
 
 
 _batch: BatchCopier | None = None

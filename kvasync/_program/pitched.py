@@ -107,9 +107,9 @@ def line_runs(table: RefTable, refs: np.ndarray) -> tuple[LineRun, ...] | None:
 
 def _alloc(table: RefTable, ref: int) -> tuple[int, int]:
     """The (source, destination) allocation ids of `ref`'s tensor."""
-    t = int(table.tensor_idx[ref])
-    return (table.src.alloc[t] if table.src.alloc else 0,
-            table.dst.alloc[t] if table.dst.alloc else 0)
+    t = int(table.tensor_idx[ref])  # no ids: each tensor is an allocation of its own
+    return (table.src.alloc[t] if table.src.alloc else -1 - t,
+            table.dst.alloc[t] if table.dst.alloc else -1 - t)
 
 
 def check_pitchable(plan: TransferPlan) -> None:

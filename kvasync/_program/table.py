@@ -35,8 +35,8 @@ class SideGeometry:
     sub_stride: list[int]
     num_rows: list[int]
     factor: int
-    #: which allocation each tensor lies in (equal ids: one allocation; empty: all one). A
-    #: 2-D copy's lines must not cross allocations (`cudaMemcpy2DAsync` rejects the region)
+    #: which allocation each tensor lies in (equal ids: one allocation; empty: each its
+    #: own). A 2-D copy's lines must not cross allocations (`cudaMemcpy2DAsync` rejects it)
     alloc: list[int] = field(default_factory=list)
 
 

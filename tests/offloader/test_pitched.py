@@ -229,3 +229,19 @@ async def test_pitched_copies_spread_over_helper_streams(fan_out: int) -> None:
     for i in range(t):
         np.testing.assert_array_equal(np.asarray(off.cpu_tensors[i])[128:], want[i, ids])
     await off.aclose()
+
+
+def test_caller_host_arrays_are_allocations_of_their_own() -> None:
+    """Caller `host_tensors` are pinned array by array, so even evenly spaced views of one
+    buffer never share a 2-D copy: one line per copy, bytes as the reference path's."""
+    mem = Mem("host")
+    pool = mem.rand_u8((T, BLOCKS, PAGE), seed=130)
+    big = np.zeros((T, CHUNKS, PAGE), np.uint8)
+    off = kv.Offloader(kv.KVCacheLayout.from_tensors([pool[t] for t in range(T)]), CHUNKS,
+                       backend="host", host_tensors=list(big))
+    assert len(set(off._tables["d2h"].dst.alloc)) == T
+    plan = off._submitter.plan("d2h", [3, 9], [0, 1], None, None)
+    assert mean_height(plan) == 1
+    assert off.store(gpu_blocks=[3, 9], cpu_chunks=[0, 1], path="pitched").wait(30).success
+    np.testing.assert_array_equal(big[:, :2], pool[:, [3, 9]])
+    off.close()

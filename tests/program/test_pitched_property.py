@@ -23,6 +23,15 @@ from kvasync._program.pitched import (
 )
 
 
+def _draw_allocs(n_t: int, pool: bool, data: st.DataObject) -> list[int]:
+    kind = "one" if pool else data.draw(st.sampled_from(["one", "unknown", "some"]))
+    if kind == "one":
+        return [0] * n_t
+    if kind == "unknown":
+        return []
+    return data.draw(st.lists(st.integers(0, 2), min_size=n_t, max_size=n_t))
+
+
 def _setup(s: dict, data: st.DataObject, pool: bool = False) -> tuple:  # type: ignore[type-arg]
     """`pool`: the tensors are slices of one pool (equal pages and strides, evenly spaced),
     side by side in host rows in group order: the case that makes runs of many lines."""
@@ -56,10 +65,9 @@ def _setup(s: dict, data: st.DataObject, pool: bool = False) -> tuple:  # type: 
         pos += sub[t] * bpc + (data.draw(st.integers(0, 2)) if gaps else 0)
     row = pos + data.draw(st.integers(0, 5))
     base = BIG * 1000 + 3
-    # allocations: one (or unknown) in a pool; else each side's tensors drawn into a few
-    allocs = [[] if pool else data.draw(st.sampled_from([[], [0] * n_t])) or
-              data.draw(st.lists(st.integers(0, 2), min_size=n_t, max_size=n_t))
-              for _ in range(2)]
+    # allocations: one in a pool; else each side's one, unknown (each tensor its own) or
+    # the tensors drawn into a few
+    allocs = [_draw_allocs(n_t, pool, data) for _ in range(2)]
     gpu = SideGeometry(gpu_base, gpu_rows, [0] * n_t, s["num_blocks"], 1, allocs[0])
     host = SideGeometry([base + offsets[t] for t in range(n_t)], [row] * n_t, list(sub),
                         [s["num_chunks"]] * n_t, bpc, allocs[1])
@@ -130,8 +138,8 @@ def _check(s: dict, data: st.DataObject, pool: bool) -> list[int]:  # type: igno
 
 def _allocs(table: RefTable, ref: int) -> tuple[int, int]:
     t = int(table.tensor_idx[ref])
-    return (table.src.alloc[t] if table.src.alloc else 0,
-            table.dst.alloc[t] if table.dst.alloc else 0)
+    return (table.src.alloc[t] if table.src.alloc else -1 - t,
+            table.dst.alloc[t] if table.dst.alloc else -1 - t)
 
 
 def test_a_run_stops_where_an_allocation_ends() -> None:
@@ -159,9 +167,9 @@ def test_one_pool_in_row_order_is_one_copy_per_block() -> None:
     layout = KVCacheLayout(tensors)
     row = n_t * page * bpc
     gpu = SideGeometry([BIG + t * blocks * page for t in range(n_t)], [page] * n_t,
-                       [0] * n_t, [blocks] * n_t, 1)
+                       [0] * n_t, [blocks] * n_t, 1, [1] * n_t)
     host = SideGeometry([BIG * 10 + t * page * bpc for t in range(n_t)], [row] * n_t,
-                        [page] * n_t, [chunks] * n_t, bpc)
+                        [page] * n_t, [chunks] * n_t, bpc, [2] * n_t)
     for store in (True, False):
         table = build_ref_table(layout, gpu, host, store, False)
         plan = build_plan(table, [5, 3, 9], [4, 7], None, [1], store, chunks)
