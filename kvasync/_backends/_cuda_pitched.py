@@ -6,9 +6,10 @@ builds the copies). A copy engine moves each one: no kernel competes with the mo
 SMs, no staging buffer bounds what is in flight, and the host makes one driver call per
 block and run instead of one per page.
 
-One engine leaves a gap between two copies, and a 2-D copy of short lines is mostly gaps:
-a transfer's copies are spread over `fan_out` helper streams (`_cuda_dma.FanRound`, forked
-off the transfer's stream and joined back to it), so several engines overlap them.
+One engine leaves a gap between two copies, and a 2-D copy of short lines may be mostly
+gaps: a transfer's copies can be spread over `fan_out` helper streams (`_cuda_dma.FanRound`,
+forked off the transfer's stream and joined back to it), so several engines overlap them.
+Off by default (`CudaBackend.PITCHED_FAN_OUT = 1`) until a GPU run measures it.
 """
 
 from __future__ import annotations
