@@ -100,16 +100,23 @@ def _unavailable(section: Section, ctx: Context) -> str | None:
     return section.missing() if section.missing is not None else None
 
 
-def _git_commit() -> str | None:
-    """The commit of the checkout kvasync runs from, if it runs from one."""
-    try:
-        res = subprocess.run(["git", "-C", str(Path(__file__).parent), "rev-parse", "HEAD"],
-                             capture_output=True, text=True, timeout=5, check=False)
-    except (OSError, subprocess.SubprocessError):
+def _git_commit(where: Path | None = None) -> str | None:
+    """The commit of the checkout kvasync runs from, if it runs from one, with "-dirty"
+    where tracked files differ from it (a copied tree whose git metadata is older)."""
+    root = str(where or Path(__file__).parent)
+
+    def git(*args: str) -> str | None:
+        try:
+            res = subprocess.run(["git", "-C", root, *args], capture_output=True, text=True,
+                                 timeout=10, check=False)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return res.stdout.strip() if res.returncode == 0 else None
+
+    head = git("rev-parse", "HEAD")
+    if not head:
         return None
-    if res.returncode != 0:
-        return None
-    return res.stdout.strip() or None
+    return head + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
 def _write(out: Path, run: Run, text: str) -> None:

@@ -149,3 +149,29 @@ def test_list_names_every_section(capsys: pytest.CaptureFixture[str]) -> None:
     for name in ("bandwidth", "interference", "bidirectional", "latency", "cpu", "hostcost",
                  "priority", "layerwise", "rate"):
         assert name in text
+
+
+def test_the_recorded_commit_says_when_the_tree_differs_from_it(tmp_path: Path) -> None:
+    import shutil
+
+    from kvasync.bench.__main__ import _git_commit
+
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed")
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(tmp_path), "-c", "user.name=t", "-c",
+                               "user.email=t@t", *args], capture_output=True, text=True,
+                              check=True).stdout.strip()
+
+    git("init", "-q")
+    (tmp_path / "a.txt").write_text("one")
+    git("add", "a.txt")
+    git("commit", "-qm", "one")
+    head = git("rev-parse", "HEAD")
+    assert _git_commit(tmp_path) == head
+    (tmp_path / "b.txt").write_text("untracked")  # untracked files do not count
+    assert _git_commit(tmp_path) == head
+    (tmp_path / "a.txt").write_text("two")
+    assert _git_commit(tmp_path) == head + "-dirty"
+    assert _git_commit(tmp_path / "nowhere") is None
