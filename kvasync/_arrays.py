@@ -75,6 +75,12 @@ class ArrayInfo:
         stride = self.row_stride if n > 1 else self.row_bytes
         return self.ptr, self.row_bytes, stride, n
 
+    @property
+    def end(self) -> int:
+        """One past the last byte this array covers (its first address where it has no rows)."""
+        ptr, row, stride, n = self.rows()
+        return ptr + (n - 1) * stride + row if n else ptr
+
     def describe(self) -> str:
         """`dtype (shape) device` for messages and reprs."""
         dev = "cpu" if self.device == "cpu" else f"cuda:{self.device_id}"

@@ -58,7 +58,7 @@ def overlapping_pair(infos: Sequence[ArrayInfo]) -> tuple[int, int] | None:
     sorted by address, testing only those whose extents meet."""
     spans = sorted((info.rows(), i) for i, info in enumerate(infos))
     for k, (a, i) in enumerate(spans):
-        end = a[0] + (a[3] - 1) * a[2] + a[1]
+        end = infos[i].end
         for b, j in spans[k + 1:]:
             if b[0] >= end:
                 break

@@ -306,9 +306,7 @@ class CudaDevice(Backend):
                 out = []
                 for i, info in enumerate(infos):
                     base, size = _cudart.allocation_range(info.ptr)
-                    ptr, row, stride, n = info.rows()
-                    inside = ptr + max(n - 1, 0) * stride + row <= base + size
-                    out.append(base if inside else -1 - i)
+                    out.append(base if info.end <= base + size else -1 - i)
                 return out
         except Exception as exc:
             log.info("kvasync: cuMemGetAddressRange failed (%s); tensors of separate "
