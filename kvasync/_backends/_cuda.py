@@ -78,7 +78,6 @@ class CudaBackend(CudaDevice):
     STAGED_MAX_PAGE_BYTES = _cuda_policy.STAGED_MAX_PAGE_BYTES
     PITCHED_MIN_LINE_BYTES = _cuda_policy.PITCHED_MIN_LINE_BYTES
     PITCHED_MIN_HEIGHT = _cuda_policy.PITCHED_MIN_HEIGHT
-    PITCHED_FAN_OUT = 1  # helper streams a pitched transfer's copies spread over (1: none)
     URGENT_KERNEL = _cuda_policy.URGENT_KERNEL
     CONTENDED_DMA_BYTES = _cuda_policy.CONTENDED_DMA_BYTES
     #: DMA (`_cuda_dma`): runs sent as single copies, fan-out helper streams, the smallest
@@ -275,7 +274,7 @@ class CudaBackend(CudaDevice):
         if path == "kernel":
             self._kernel.copy(stream, plan, direction, self.grid)
         elif path == "pitched":
-            enqueue_pitched(stream, plan, self._dma, self.PITCHED_FAN_OUT)
+            enqueue_pitched(stream, plan)
         elif path == "staged":
             self._staged.enqueue(self._ring(direction), stream, plan, direction,
                                  self.staged_grid or DEFAULT_GRID, self._batch, edges, mark,
