@@ -10,7 +10,9 @@ module each, with the facts each is built on:
 - ``"staged"`` (`_cuda_staged`): a kernel packs scattered pages into a device buffer, the
   copy engines move the buffer in a few long runs.
 - ``"pitched"`` (`_cuda_pitched`): one `cudaMemcpy2DAsync` per block moves its page of
-  every evenly spaced KV tensor to or from its host row: copy engines only.
+  every evenly spaced KV tensor to or from its host row: copy engines only. A plan whose
+  copies are single lines (tensors not evenly spaced) runs as ``"dma"``, which coalesces
+  contiguous pages into one copy.
 - ``"auto"``: per transfer, the rules and the measured costs of `_cuda_policy`.
 
 Streams, events, host memory and the caller's compute stream are `_cuda_device`; the CUDA
@@ -167,8 +169,10 @@ class CudaBackend(CudaDevice):
     ) -> str:
         if path not in self.paths:
             raise InvalidTransferError(f"unknown copy path {path!r}; choose one of {self.paths}")
-        if path in ("dma", "pitched"):
-            return path if path == "dma" else pitched_path(plan)
+        if path == "dma":
+            return path
+        if path == "pitched":  # copies of one line are 1-D copies: DMA coalesces them
+            return "dma" if pitched_path(plan) and mean_height(plan) < 2 else "pitched"
         if path == "staged":
             if not self.kernel_available:
                 self._warn_once("copy path 'staged' needs working kernels; using 'dma'")

@@ -242,3 +242,23 @@ def test_caller_host_arrays_are_allocations_of_their_own() -> None:
     assert off.store(gpu_blocks=[3, 9], cpu_chunks=[0, 1], path="pitched").wait(30).success
     np.testing.assert_array_equal(big[:, :2], pool[:, [3, 9]])
     off.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.asyncio
+async def test_pitched_copies_of_one_line_run_as_coalesced_dma() -> None:
+    """One KV tensor: every pitched copy would be a single page, so an explicit "pitched"
+    runs as "dma", whose runs coalesce the 64 contiguous pages; the bytes land either way."""
+    mem, blocks, page = Mem("cuda"), 128, 4 << 10
+    gpu = mem.rand_u8((blocks, page), seed=130)
+    off = kv.Offloader(kv.KVCacheLayout.from_tensors([gpu]), blocks)
+    want = mem.to_numpy(gpu).copy()
+    ids = list(range(64))
+    assert (await off.store(gpu_blocks=ids, cpu_chunks=ids, path="pitched")).success
+    assert (off.backend.counts["pitched"], off.backend.counts["dma"]) == (0, 1)
+    np.testing.assert_array_equal(np.asarray(off.cpu_tensors[0])[:64].reshape(64, page),
+                                  want[:64])
+    assert (await off.load(cpu_chunks=ids, gpu_blocks=list(range(64, 128)),
+                           path="pitched")).success
+    np.testing.assert_array_equal(mem.to_numpy(gpu)[64:], want[:64])
+    await off.aclose()
