@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .._errors import InvalidTransferError
+from .pitched import PitchedProgram, build_pitched, mean_height
 from .plan import Segment, TransferPlan
 from .rows import (
     MAX_FACTOR,
@@ -49,7 +50,7 @@ from .rows import (
 from .table import U64, RefTable
 
 __all__ = ["Slab", "StagedProgram", "build_staged", "check_stageable", "kernel_plan",
-           "prepare_staged", "slab_descriptors", "staged_rows"]
+           "pitched_pack", "prepare_staged", "slab_descriptors", "staged_rows"]
 
 
 @dataclass(frozen=True)
@@ -364,3 +365,18 @@ def slab_descriptors(program: StagedProgram, slab: Slab, stage_ptr: int
     if program.gpu_to_cpu:
         return stage, slab.host_ptr, slab.sizes
     return slab.host_ptr, stage, slab.sizes
+
+
+def pitched_pack(program: StagedProgram, slab: Slab, table: RefTable, stage_ptr: int,
+                 min_height: float) -> PitchedProgram | None:
+    """`slab`'s pack (stores) or unpack (loads) as 2-D device-to-device copies between the
+    GPU pages and the staging buffer at `stage_ptr`, for the copy engines: one copy per
+    block and run of evenly spaced tensors, which lie side by side in a staging row. None
+    where the slab has no pitched form (parts of pages) or its copies average fewer than
+    `min_height` lines (then each copy moves too little; the kernel packs)."""
+    if min_height <= 0:
+        return None
+    kplan = kernel_plan(program, slab, table, stage_ptr)
+    if mean_height(kplan) < min_height:
+        return None
+    return build_pitched(kplan)

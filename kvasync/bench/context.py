@@ -30,7 +30,8 @@ import kvasync as kv
 from .ceilings import Ceilings, sync_round_trips
 from .common import GiB, MiB, Options, fmt_size
 
-__all__ = ["BenchUnavailable", "Context", "Ran", "Timing", "cuda_unavailable_reason", "submit"]
+__all__ = ["BenchUnavailable", "Context", "Ran", "Timing", "cuda_unavailable_reason", "row_setting",
+           "submit"]
 
 #: vLLM's shipped policy: loads below this page size run its Triton kernel with 12 programs,
 #: everything else batched DMA (re-created with kvasync's own kernel and DMA paths)
@@ -253,20 +254,12 @@ class Context:
         return Timing(samples, moved, statistics.median(device), ran.text,
                       statistics.median(calls))
 
-    @contextmanager
-    def grid(self, off: kv.Offloader, ctas: int | None) -> Iterator[None]:
-        """Run the block with the copy kernels at `ctas` CTAs (no-op for None or a backend
-        without kernels)."""
-        backend: Any = off.backend
-        old = getattr(backend, "grid", None)
-        if ctas is None or old is None:
-            yield
-            return
-        backend.grid = ctas
-        try:
-            yield
-        finally:
-            backend.grid = old
+    @property
+    def staged_sm(self) -> bool:
+        """Whether the bandwidth and interference sections add a ``staged-sm`` row: the
+        staged path with its pack and unpack on the kernel, beside its default (the copy
+        engines, where a slab's copies are tall enough)."""
+        return self.gpu and "staged" in self.paths
 
     def vllm_policy(self, direction: str, page: int) -> tuple[str, int | None] | None:
         """(path, kernel CTAs) that re-create vLLM's shipped choice, where this backend has
@@ -349,3 +342,25 @@ def _path_counts(off: kv.Offloader) -> dict[str, int] | None:
     if not isinstance(counts, dict):
         return None
     return {p: int(counts.get(p, 0)) for p in off.backend.paths if p != "auto"}
+
+
+@contextmanager
+def row_setting(off: kv.Offloader, name: str, ctas: int | None = None) -> Iterator[None]:
+    """The block with a row's backend setting: the copy kernels at `ctas` CTAs (None: as
+    they are), and for row ``staged-sm`` the staged path's copy-engine pack off. No-op
+    where the backend has no such setting."""
+    backend: Any = off.backend
+    staged: Any = getattr(backend, "_staged", None)
+    old_grid = getattr(backend, "grid", None)
+    old_height = getattr(staged, "engine_min_height", None)
+    if ctas is not None and old_grid is not None:
+        backend.grid = ctas
+    if name == "staged-sm" and staged is not None:
+        staged.engine_min_height = 0.0
+    try:
+        yield
+    finally:
+        if old_grid is not None:
+            backend.grid = old_grid
+        if old_height is not None:
+            staged.engine_min_height = old_height
