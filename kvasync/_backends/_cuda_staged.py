@@ -56,7 +56,7 @@ if TYPE_CHECKING:
     from ._cuda_device import CudaDevice
     from ._cuda_kernel import _Staging, _TableEntry
 
-__all__ = ["StagedPath", "StagingRing"]
+__all__ = ["ENGINE_PACK_LINES", "StagedPath", "StagingRing"]
 
 _H2D = 1  # cudaMemcpyHostToDevice
 
@@ -92,11 +92,15 @@ class StagingRing:
 #: copy engines run back to back: 4 runs of 4 MiB (64 KiB pages x 64 tensors) as separate
 #: copies kept the engines 0.96-0.97 busy, as one batch 0.98 (H200, 1 GiB transfers)
 EACH_RUNS = 1
-#: a slab whose pack or unpack 2-D copies average at least this many lines runs them on a
-#: copy engine instead of the kernel: 2-D device-to-device copies of 64 lines moved 66 /
-#: 238 / 602 GB/s at 4 / 16 / 64 KiB pages (H100), above the link, and a 1 GiB host copy
-#: on another stream ran beside them at full speed; they take no SMs from the model
-ENGINE_MIN_HEIGHT = 8.0
+#: with the copy-engine pack on, a slab whose pack or unpack 2-D copies average at least
+#: this many lines runs them on a copy engine instead of the kernel: bare 2-D
+#: device-to-device copies of 64 lines moved 66 / 238 / 602 GB/s at 4 / 16 / 64 KiB pages
+#: (H100), above the link, and a 1 GiB host copy on another stream ran beside them at full
+#: speed; they take no SMs from the model
+ENGINE_PACK_LINES = 8.0
+#: the default `StagedPath.engine_min_height`: 0, the kernel packs, until a GPU run has
+#: measured this path's copy-engine pack (the bench's ``staged-ce`` rows turn it on)
+ENGINE_MIN_HEIGHT = 0.0
 #: bytes of job words one warp of the flat kernel fetches from pinned memory
 FETCH_BYTES = 2048
 
@@ -115,6 +119,9 @@ class StagedPath:
     """Enqueues staged programs (`enqueue`) with the pieces it shares with the kernel path
     (the copy kernels, the device table cache, the job staging pool)."""
 
+    #: `engine_min_height` that turns the copy-engine pack on
+    PACK_LINES = ENGINE_PACK_LINES
+
     def __init__(self, device_id: int, kernels: CopyKernels, tables: TableCache,
                  staging: StagingPool) -> None:
         self.device_id = device_id
@@ -125,7 +132,7 @@ class StagedPath:
         self.rings: dict[str, StagingRing] = {}
         self._ring_lock = threading.Lock()
         #: pack and unpack on the copy engines where a slab's 2-D copies average at least
-        #: this many lines (0: always the kernel); see `ENGINE_MIN_HEIGHT`
+        #: this many lines (0: always the kernel); see `ENGINE_PACK_LINES`
         self.engine_min_height = ENGINE_MIN_HEIGHT
         #: pieces packed on the copy engines and by the kernel (tests and the bench read them)
         self.packed_by = {"engines": 0, "kernel": 0}

@@ -255,10 +255,10 @@ class Context:
                       statistics.median(calls))
 
     @property
-    def staged_sm(self) -> bool:
-        """Whether the bandwidth and interference sections add a ``staged-sm`` row: the
-        staged path with its pack and unpack on the kernel, beside its default (the copy
-        engines, where a slab's copies are tall enough)."""
+    def staged_ce(self) -> bool:
+        """Whether the bandwidth and interference sections add a ``staged-ce`` row: the
+        staged path with its pack and unpack on the copy engines (where a slab's 2-D
+        copies are tall enough), beside its default (the kernel)."""
         return self.gpu and "staged" in self.paths
 
     def vllm_policy(self, direction: str, page: int) -> tuple[str, int | None] | None:
@@ -347,7 +347,7 @@ def _path_counts(off: kv.Offloader) -> dict[str, int] | None:
 @contextmanager
 def row_setting(off: kv.Offloader, name: str, ctas: int | None = None) -> Iterator[None]:
     """The block with a row's backend setting: the copy kernels at `ctas` CTAs (None: as
-    they are), and for row ``staged-sm`` the staged path's copy-engine pack off. No-op
+    they are), and for row ``staged-ce`` the staged path's copy-engine pack on. No-op
     where the backend has no such setting."""
     backend: Any = off.backend
     staged: Any = getattr(backend, "_staged", None)
@@ -355,8 +355,8 @@ def row_setting(off: kv.Offloader, name: str, ctas: int | None = None) -> Iterat
     old_height = getattr(staged, "engine_min_height", None)
     if ctas is not None and old_grid is not None:
         backend.grid = ctas
-    if name == "staged-sm" and staged is not None:
-        staged.engine_min_height = 0.0
+    if name == "staged-ce" and staged is not None:
+        staged.engine_min_height = staged.PACK_LINES
     try:
         yield
     finally:

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import kvasync as kv
+from kvasync._backends._cuda_staged import ENGINE_PACK_LINES
 
 pytestmark = pytest.mark.gpu
 
@@ -273,7 +274,7 @@ async def test_split_loads_land_in_order_beside_urgent_and_layerwise_loads(
 @pytest.mark.parametrize("bpc", [1, 2])
 async def test_pool_slices_pack_on_the_copy_engines_exactly(engines: bool, bpc: int) -> None:
     """16 KV tensors sliced from one pool: each slab's pack and unpack run as 2-D copies on
-    the copy engines (or, switched off, the kernel). Many slabs (1 MiB of staging), a group
+    the copy engines (switched on) or the kernel (the default). Many slabs (1 MiB of staging), a group
     starting and ending mid-chunk: the host rows get exactly the covered sub-blocks, the
     load exactly its GPU blocks; the sentinel bytes around them stay."""
     torch = _torch()
@@ -282,7 +283,7 @@ async def test_pool_slices_pack_on_the_copy_engines_exactly(engines: bool, bpc: 
     off = kv.Offloader(kv.KVCacheLayout.from_tensors([pool[i] for i in range(n_t)]), chunks,
                        bpc, backend="cuda", copy_path="staged", staging_bytes=1 << 20)
     staged: Any = off.backend._staged  # type: ignore[attr-defined]
-    staged.engine_min_height = 8.0 if engines else 0.0
+    staged.engine_min_height = ENGINE_PACK_LINES if engines else 0.0
     sentinel = [np.full(v.shape, 0x5A, np.uint8) for v in off.cpu_tensors]
     for v, s in zip(off.cpu_tensors, sentinel):
         v[:] = s

@@ -6,8 +6,8 @@ chunk ids) of every KV tensor of the run's layout. GB/s is bytes over the wall t
 over the transfer's own event time. Rows: one per page, direction and path, plus
 ``vllm-policy`` where the backend has a kernel and a DMA path (vLLM's shipped choice re-created
 with kvasync's paths: stores DMA; loads a 12-CTA kernel below 28 KiB, DMA above),
-``staged-sm`` on CUDA (the staged path with its pack and unpack on the kernel instead of
-the copy engines) and one ``ceiling`` row per direction.
+``staged-ce`` on CUDA (the staged path with its pack and unpack on the copy engines instead
+of the kernel, where a slab's 2-D copies are tall enough) and one ``ceiling`` row per direction.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ def run(ctx: Context) -> list[Row]:
             policy = ctx.vllm_policy(direction, page)
             if policy is not None:
                 cases.append(("vllm-policy", *policy))
-            if ctx.staged_sm:
-                cases.append(("staged-sm", "staged", None))
+            if ctx.staged_ce:
+                cases.append(("staged-ce", "staged", None))
             for name, path, ctas in cases:
                 ctx.progress(f"{fmt_size(page)} {direction} {name}")
                 try:
