@@ -28,6 +28,7 @@ from .._program import (
     check_stageable,
     kernel_plan,
     pitched_lines,
+    pitched_pack,
     prepare_staged,
     slab_descriptors,
 )
@@ -237,6 +238,10 @@ class HostBackend(Backend):
         self._ring_lock = threading.Lock()
         #: how many transfers each concrete path ran (for tests and the benchmark)
         self.counts: dict[str, int] = {"memmove": 0, "staged": 0, "pitched": 0}
+        #: as the CUDA staged path's: slabs whose 2-D copies average this many lines pack
+        #: by them (`pitched_pack`) instead of the kernel's copies (0: off)
+        self.engine_min_height = 0.0
+        self.engine_slabs = 0
 
     # -- memory ------------------------------------------------------------------------------
     def check_device_array(self, info: ArrayInfo, what: str) -> None:
@@ -338,7 +343,13 @@ class HostBackend(Backend):
         with ring.lock:  # the buffers are shared by every stream of the direction
             for i, slab in enumerate(program.slabs):
                 buf = ring.buffers[i % len(ring.buffers)]
-                ks, kd, kz = kernel_plan(program, slab, plan.table, buf.ptr).coalesced()
+                copies = pitched_pack(program, slab, plan.table, buf.ptr,
+                                      self.engine_min_height)
+                if copies is None:
+                    ks, kd, kz = kernel_plan(program, slab, plan.table, buf.ptr).coalesced()
+                else:
+                    ks, kd, kz = pitched_lines(copies)
+                    self.engine_slabs += 1
                 rs, rd, rz = slab_descriptors(program, slab, buf.ptr)
                 steps = [(ks, kd, kz), (rs, rd, rz)]
                 for s, d, z in steps if program.gpu_to_cpu else steps[::-1]:

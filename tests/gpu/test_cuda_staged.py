@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 import kvasync as kv
-from kvasync._backends._cuda_staged import ENGINE_PACK_LINES
 
 pytestmark = pytest.mark.gpu
 
@@ -268,45 +267,3 @@ async def test_split_loads_land_in_order_beside_urgent_and_layerwise_loads(
     np.testing.assert_array_equal(_np(after).reshape(8, page), want[7][sets[0][:8]])
     await off.aclose()
 
-
-@pytest.mark.asyncio
-@pytest.mark.parametrize("engines", [True, False])
-@pytest.mark.parametrize("bpc", [1, 2])
-async def test_pool_slices_pack_on_the_copy_engines_exactly(engines: bool, bpc: int) -> None:
-    """16 KV tensors sliced from one pool: each slab's pack and unpack run as 2-D copies on
-    the copy engines (switched on) or the kernel (the default). Many slabs (1 MiB of staging), a group
-    starting and ending mid-chunk: the host rows get exactly the covered sub-blocks, the
-    load exactly its GPU blocks; the sentinel bytes around them stay."""
-    torch = _torch()
-    n_t, blocks, page, chunks = 16, 96, 4096, 64
-    pool = _u8((n_t, blocks, page), seed=140)
-    off = kv.Offloader(kv.KVCacheLayout.from_tensors([pool[i] for i in range(n_t)]), chunks,
-                       bpc, backend="cuda", copy_path="staged", staging_bytes=1 << 20)
-    staged: Any = off.backend._staged  # type: ignore[attr-defined]
-    staged.engine_min_height = ENGINE_PACK_LINES if engines else 0.0
-    sentinel = [np.full(v.shape, 0x5A, np.uint8) for v in off.cpu_tensors]
-    for v, s in zip(off.cpu_tensors, sentinel):
-        v[:] = s
-    want = _np(pool)
-    rng = np.random.default_rng(bpc)
-    skip = bpc - 1  # bpc 2: the group starts at sub-block 1 and ends at sub-block 0
-    ids = rng.permutation(blocks)[: 40 * bpc - 2 * skip].tolist()
-    cpu = rng.permutation(chunks)[:40].tolist()
-    assert (await off.store(gpu_blocks=ids, cpu_chunks=cpu, block_indices=[skip])).success
-    for t in range(n_t):
-        exp = sentinel[t].copy().reshape(chunks, bpc, page)
-        for k, g in enumerate(ids):
-            exp[cpu[(k + skip) // bpc], (k + skip) % bpc] = want[t, g]
-        np.testing.assert_array_equal(np.asarray(off.cpu_tensors[t]).reshape(chunks, bpc, page),
-                                      exp)
-    pool.fill_(0)
-    back = rng.permutation(blocks)[: len(ids)].tolist()
-    assert (await off.load(cpu_chunks=cpu, gpu_blocks=back, block_indices=[skip])).success
-    got = _np(pool)
-    np.testing.assert_array_equal(got[:, back], want[:, ids])
-    rest = np.setdiff1d(np.arange(blocks), back)
-    assert not got[:, rest].any()
-    assert (staged.packed_by["engines"] > 0) == engines
-    assert (staged.packed_by["kernel"] > 0) == (not engines)
-    torch.cuda.synchronize()
-    await off.aclose()
