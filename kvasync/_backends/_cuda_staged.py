@@ -92,8 +92,8 @@ class StagingRing:
 #: copy engines run back to back: 4 runs of 4 MiB (64 KiB pages x 64 tensors) as separate
 #: copies kept the engines 0.96-0.97 busy, as one batch 0.98 (H200, 1 GiB transfers)
 EACH_RUNS = 1
-#: with the copy-engine pack on, a slab whose pack or unpack 2-D copies average at least
-#: this many lines runs them on a copy engine instead of the kernel: bare 2-D
+#: with the copy-engine pack on, a piece whose slabs' pack or unpack 2-D copies all average
+#: at least this many lines runs them on a copy engine instead of the kernel: bare 2-D
 #: device-to-device copies of 64 lines moved 66 / 238 / 602 GB/s at 4 / 16 / 64 KiB pages
 #: (H100), above the link, and a 1 GiB host copy on another stream ran beside them at full
 #: speed; they take no SMs from the model
@@ -136,6 +136,7 @@ class StagedPath:
         self.engine_min_height = ENGINE_MIN_HEIGHT
         #: pieces packed on the copy engines and by the kernel (tests and the bench read them)
         self.packed_by = {"engines": 0, "kernel": 0}
+        self._count_lock = threading.Lock()  # the two directions' rings count at once
 
     def ring(self, direction: str, device: CudaDevice, staging_bytes: int,
              buffers: int) -> StagingRing:
@@ -173,6 +174,10 @@ class StagedPath:
         `stream`'s position (compute and FIFO waits), DMAs rows into b (after b's last
         unpack), and `stream` unpacks after each landing. Returns without waiting.
 
+        Where every slab's pack or unpack has a 2-D form of at least `engine_min_height`
+        lines per copy (`pitched_pack`), those copies run on `stream` in place of the
+        kernel (copy engines, device to device), with the same events and no kernel job.
+
         `edges` (first, last) are False for the inner pieces of one transfer: the helper
         already follows the first piece's fork (loads) and the stream waits for the last
         piece's final row copy only (stores), so pieces pipeline like one program. `mark`,
@@ -207,7 +212,8 @@ class StagedPath:
             engines = self._engine_copies(program, plan.table, ring.ptrs, order)
             kjobs = None if engines else self._jobs(program, plan, ring.ptrs, order, stream,
                                                     store)
-            self.packed_by["kernel" if engines is None else "engines"] += 1
+            with self._count_lock:
+                self.packed_by["kernel" if engines is None else "engines"] += 1
             if not store and first_edge:
                 fork = create_event(self.device_id, timing=False)
                 stream.record(fork)

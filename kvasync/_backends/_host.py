@@ -349,7 +349,8 @@ class HostBackend(Backend):
                     ks, kd, kz = kernel_plan(program, slab, plan.table, buf.ptr).coalesced()
                 else:
                     ks, kd, kz = pitched_lines(copies)
-                    self.engine_slabs += 1
+                    with self._ring_lock:  # the two directions' rings count at once
+                        self.engine_slabs += 1
                 rs, rd, rz = slab_descriptors(program, slab, buf.ptr)
                 steps = [(ks, kd, kz), (rs, rd, rz)]
                 for s, d, z in steps if program.gpu_to_cpu else steps[::-1]:

@@ -337,11 +337,17 @@ class Context:
 
 
 def _path_counts(off: kv.Offloader) -> dict[str, int] | None:
-    """Transfers run per concrete path so far, where the backend counts them (None: not)."""
+    """Transfers run per concrete path so far, where the backend counts them (None: not),
+    and the CUDA staged path's pieces packed on the copy engines."""
     counts = getattr(off.backend, "counts", None)
     if not isinstance(counts, dict):
         return None
-    return {p: int(counts.get(p, 0)) for p in off.backend.paths if p != "auto"}
+    out = {p: int(counts.get(p, 0)) for p in off.backend.paths if p != "auto"}
+    # staged pieces packed on the copy engines show as "staged(ce)" beside "staged"
+    packed = getattr(getattr(off.backend, "_staged", None), "packed_by", None)
+    if isinstance(packed, dict):
+        out["staged(ce)"] = int(packed.get("engines", 0))
+    return out
 
 
 @contextmanager
