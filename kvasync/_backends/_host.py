@@ -341,16 +341,19 @@ class HostBackend(Backend):
         if fault is not None:
             raise fault
         with ring.lock:  # the buffers are shared by every stream of the direction
-            for i, slab in enumerate(program.slabs):
-                buf = ring.buffers[i % len(ring.buffers)]
-                copies = pitched_pack(program, slab, plan.table, buf.ptr,
-                                      self.engine_min_height)
-                if copies is None:
-                    ks, kd, kz = kernel_plan(program, slab, plan.table, buf.ptr).coalesced()
+            bufs = [ring.buffers[i % len(ring.buffers)] for i in range(len(program.slabs))]
+            # as on CUDA: the whole piece packs by 2-D copies, or none of it
+            copies = [pitched_pack(program, slab, plan.table, buf.ptr, self.engine_min_height)
+                      for slab, buf in zip(program.slabs, bufs)]
+            by_lines = all(c is not None for c in copies)
+            if by_lines:
+                with self._ring_lock:  # the two directions' rings count at once
+                    self.engine_slabs += len(copies)
+            for slab, buf, lines in zip(program.slabs, bufs, copies):
+                if by_lines and lines is not None:
+                    ks, kd, kz = pitched_lines(lines)
                 else:
-                    ks, kd, kz = pitched_lines(copies)
-                    with self._ring_lock:  # the two directions' rings count at once
-                        self.engine_slabs += 1
+                    ks, kd, kz = kernel_plan(program, slab, plan.table, buf.ptr).coalesced()
                 rs, rd, rz = slab_descriptors(program, slab, buf.ptr)
                 steps = [(ks, kd, kz), (rs, rd, rz)]
                 for s, d, z in steps if program.gpu_to_cpu else steps[::-1]:
