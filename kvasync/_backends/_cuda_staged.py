@@ -37,10 +37,9 @@ import numpy as np
 from .._errors import TransferFailedError
 from .._program import (
     PitchedProgram,
-    RefTable,
     StagedProgram,
     TransferPlan,
-    pitched_pack,
+    pitched_packs,
     prepare_staged,
     slab_descriptors,
     staging_table,
@@ -50,6 +49,7 @@ from ._base import Direction, Event, Overlap
 from ._cuda_device import CudaEvent, CudaStream, create_event
 from ._cuda_kernel import StagingPool, TableCache
 from ._cuda_kernels import CopyKernels, Job, pack_job
+from ._cuda_pitched import enqueue_2d
 from ._cudart import cupy
 
 if TYPE_CHECKING:
@@ -136,7 +136,6 @@ class StagedPath:
         self.engine_min_height = ENGINE_MIN_HEIGHT
         #: pieces packed on the copy engines and by the kernel (tests and the bench read them)
         self.packed_by = {"engines": 0, "kernel": 0}
-        self._count_lock = threading.Lock()  # the two directions' rings count at once
 
     def ring(self, direction: str, device: CudaDevice, staging_bytes: int,
              buffers: int) -> StagingRing:
@@ -175,7 +174,7 @@ class StagedPath:
         unpack), and `stream` unpacks after each landing. Returns without waiting.
 
         Where every slab's pack or unpack has a 2-D form of at least `engine_min_height`
-        lines per copy (`pitched_pack`), those copies run on `stream` in place of the
+        lines per copy (`pitched_packs`), those copies run on `stream` in place of the
         kernel (copy engines, device to device), with the same events and no kernel job.
 
         `edges` (first, last) are False for the inner pieces of one transfer: the helper
@@ -209,10 +208,11 @@ class StagedPath:
             nbuf = len(ring.ptrs)
             first = ring.next
             order = [(first + k) % nbuf for k in range(len(program.slabs))]
-            engines = self._engine_copies(program, plan.table, ring.ptrs, order)
+            engines = pitched_packs(program, plan.table, [ring.ptrs[b] for b in order],
+                                    self.engine_min_height)
             kjobs = None if engines else self._jobs(program, plan, ring.ptrs, order, stream,
                                                     store)
-            with self._count_lock:
+            with self._ring_lock:  # the two directions' rings count at once
                 self.packed_by["kernel" if engines is None else "engines"] += 1
             if not store and first_edge:
                 fork = create_event(self.device_id, timing=False)
@@ -257,19 +257,6 @@ class StagedPath:
             if mark is not None:
                 (helper if store else stream).record(mark)
 
-    def _engine_copies(self, program: StagedProgram, table: RefTable, ptrs: list[int],
-                       order: list[int]) -> list[PitchedProgram] | None:
-        """Each slab's pack or unpack as 2-D device-to-device copies (`pitched_pack`, into
-        the buffer `order` gives it), or None where any slab has no such form or too few
-        lines per copy: then the kernel packs the whole piece."""
-        out: list[PitchedProgram] = []
-        for b, slab in zip(order, program.slabs):
-            copies = pitched_pack(program, slab, table, ptrs[b], self.engine_min_height)
-            if copies is None:
-                return None
-            out.append(copies)
-        return out
-
     def _jobs(self, program: StagedProgram, plan: TransferPlan, ptrs: list[int],
               order: list[int], stream: CudaStream, store: bool) -> _KernelJobs:
         """Every slab's kernel job (its buffer's staging table on the device, the job
@@ -299,12 +286,7 @@ class StagedPath:
         """Slab `k`'s pack (stores) or unpack (loads) through buffer `b` on `stream`: its
         2-D copies on a copy engine (one `cudaMemcpy2DAsync` each), else its kernel."""
         if engines is not None:
-            p = engines[k]
-            try:
-                _cudart.memcpy_2d(p.src, p.dst, p.src_pitch, p.dst_pitch, p.width, p.height,
-                                  stream.ptr)
-            except Exception as exc:  # CuPy's CUDARuntimeError
-                raise TransferFailedError(f"staged pack copy failed: {exc}") from exc
+            enqueue_2d(stream, engines[k], "staged pack copy")
             return
         assert kjobs is not None
         job, entry = kjobs.jobs[k], kjobs.entries[b]

@@ -28,7 +28,7 @@ from .._program import (
     check_stageable,
     kernel_plan,
     pitched_lines,
-    pitched_pack,
+    pitched_packs,
     prepare_staged,
     slab_descriptors,
 )
@@ -238,8 +238,8 @@ class HostBackend(Backend):
         self._ring_lock = threading.Lock()
         #: how many transfers each concrete path ran (for tests and the benchmark)
         self.counts: dict[str, int] = {"memmove": 0, "staged": 0, "pitched": 0}
-        #: as the CUDA staged path's: slabs whose 2-D copies average this many lines pack
-        #: by them (`pitched_pack`) instead of the kernel's copies (0: off)
+        #: as the CUDA staged path's: pieces whose slabs' 2-D copies average this many lines
+        #: pack by them (`pitched_packs`) instead of the kernel's copies (0: off)
         self.engine_min_height = 0.0
         self.engine_slabs = 0
 
@@ -342,16 +342,14 @@ class HostBackend(Backend):
             raise fault
         with ring.lock:  # the buffers are shared by every stream of the direction
             bufs = [ring.buffers[i % len(ring.buffers)] for i in range(len(program.slabs))]
-            # as on CUDA: the whole piece packs by 2-D copies, or none of it
-            copies = [pitched_pack(program, slab, plan.table, buf.ptr, self.engine_min_height)
-                      for slab, buf in zip(program.slabs, bufs)]
-            by_lines = all(c is not None for c in copies)
-            if by_lines:
+            copies = pitched_packs(program, plan.table, [buf.ptr for buf in bufs],
+                                   self.engine_min_height)
+            if copies is not None:
                 with self._ring_lock:  # the two directions' rings count at once
                     self.engine_slabs += len(copies)
-            for slab, buf, lines in zip(program.slabs, bufs, copies):
-                if by_lines and lines is not None:
-                    ks, kd, kz = pitched_lines(lines)
+            for i, (slab, buf) in enumerate(zip(program.slabs, bufs)):
+                if copies is not None:
+                    ks, kd, kz = pitched_lines(copies[i])
                 else:
                     ks, kd, kz = kernel_plan(program, slab, plan.table, buf.ptr).coalesced()
                 rs, rd, rz = slab_descriptors(program, slab, buf.ptr)

@@ -50,7 +50,8 @@ from .rows import (
 from .table import U64, RefTable
 
 __all__ = ["Slab", "StagedProgram", "build_staged", "check_stageable", "kernel_plan",
-           "pitched_pack", "prepare_staged", "slab_descriptors", "staged_rows"]
+           "pitched_pack", "pitched_packs", "prepare_staged", "slab_descriptors",
+           "staged_rows"]
 
 
 @dataclass(frozen=True)
@@ -380,3 +381,16 @@ def pitched_pack(program: StagedProgram, slab: Slab, table: RefTable, stage_ptr:
     if mean_height(kplan) < min_height:
         return None
     return build_pitched(kplan)
+
+
+def pitched_packs(program: StagedProgram, table: RefTable, stage_ptrs: list[int],
+                  min_height: float) -> list[PitchedProgram] | None:
+    """Every slab's `pitched_pack` (slab k through the buffer at ``stage_ptrs[k]``), or
+    None where any slab has none: a piece packs by 2-D copies all or not at all."""
+    out: list[PitchedProgram] = []
+    for slab, ptr in zip(program.slabs, stage_ptrs):
+        copies = pitched_pack(program, slab, table, ptr, min_height)
+        if copies is None:
+            return None
+        out.append(copies)
+    return out
