@@ -21,10 +21,10 @@ from .._program import build_pitched, check_pitchable
 from . import _cudart
 
 if TYPE_CHECKING:
-    from .._program import PitchedProgram, TransferPlan
+    from .._program import TransferPlan
     from ._cuda_device import CudaStream
 
-__all__ = ["enqueue_2d", "enqueue_pitched", "pitched_path"]
+__all__ = ["enqueue_pitched", "pitched_path"]
 
 
 def pitched_path(plan: TransferPlan) -> str:
@@ -38,15 +38,9 @@ def enqueue_pitched(stream: CudaStream, plan: TransferPlan) -> None:
     """Enqueue `plan`'s 2-D copies on `stream`, one `cudaMemcpy2DAsync` each; returns
     without waiting. InvalidTransferError where the plan has no pitched form."""
     check_pitchable(plan)
-    enqueue_2d(stream, build_pitched(plan), "pitched copy")
-
-
-def enqueue_2d(stream: CudaStream, program: PitchedProgram, what: str) -> None:
-    """Enqueue `program`'s 2-D copies on `stream`, one `cudaMemcpy2DAsync` each (the
-    pitched path's copies, the staged path's copy-engine pack); TransferFailedError,
-    naming `what`, where the runtime refuses one."""
+    p = build_pitched(plan)
     try:
-        _cudart.memcpy_2d(program.src, program.dst, program.src_pitch, program.dst_pitch,
-                          program.width, program.height, stream.ptr)
+        _cudart.memcpy_2d(p.src, p.dst, p.src_pitch, p.dst_pitch, p.width, p.height,
+                          stream.ptr)
     except Exception as exc:  # CuPy's CUDARuntimeError: a bad pointer or pitch
-        raise TransferFailedError(f"{what} failed: {exc}") from exc
+        raise TransferFailedError(f"pitched copy failed: {exc}") from exc

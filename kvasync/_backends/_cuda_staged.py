@@ -30,33 +30,24 @@ Host work does not grow with the number of KV tensors.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .._errors import TransferFailedError
-from .._program import (
-    PitchedProgram,
-    StagedProgram,
-    TransferPlan,
-    pitched_packs,
-    prepare_staged,
-    slab_descriptors,
-    staging_table,
-)
+from .._program import StagedProgram, TransferPlan, prepare_staged, slab_descriptors, staging_table
 from . import _cudart
 from ._base import Direction, Event, Overlap
 from ._cuda_device import CudaEvent, CudaStream, create_event
 from ._cuda_kernel import StagingPool, TableCache
-from ._cuda_kernels import CopyKernels, Job, pack_job
-from ._cuda_pitched import enqueue_2d
+from ._cuda_kernels import CopyKernels, pack_job
 from ._cudart import cupy
 
 if TYPE_CHECKING:
     from ._cuda_device import CudaDevice
-    from ._cuda_kernel import _Staging, _TableEntry
+    from ._cuda_kernel import _Staging
 
-__all__ = ["ENGINE_PACK_LINES", "StagedPath", "StagingRing"]
+__all__ = ["StagedPath", "StagingRing"]
 
 _H2D = 1  # cudaMemcpyHostToDevice
 
@@ -92,35 +83,13 @@ class StagingRing:
 #: copy engines run back to back: 4 runs of 4 MiB (64 KiB pages x 64 tensors) as separate
 #: copies kept the engines 0.96-0.97 busy, as one batch 0.98 (H200, 1 GiB transfers)
 EACH_RUNS = 1
-#: with the copy-engine pack on, a piece whose slabs' pack or unpack 2-D copies all average
-#: at least this many lines runs them on a copy engine instead of the kernel: bare 2-D
-#: device-to-device copies of 64 lines moved 66 / 238 / 602 GB/s at 4 / 16 / 64 KiB pages
-#: (H100), above the link, and a 1 GiB host copy on another stream ran beside them at full
-#: speed; they take no SMs from the model
-ENGINE_PACK_LINES = 8.0
-#: the default `StagedPath.engine_min_height`: 0, the kernel packs, until a GPU run has
-#: measured this path's copy-engine pack (the bench's ``staged-ce`` rows turn it on)
-ENGINE_MIN_HEIGHT = 0.0
 #: bytes of job words one warp of the flat kernel fetches from pinned memory
 FETCH_BYTES = 2048
-
-
-class _KernelJobs(NamedTuple):
-    """A piece's kernel jobs: its buffers' device tables, one job per slab, the jobs'
-    word offsets (and the total last) in the pinned `staging` buffer."""
-
-    entries: dict[int, _TableEntry]
-    jobs: list[Job]
-    offsets: list[int]
-    staging: _Staging
 
 
 class StagedPath:
     """Enqueues staged programs (`enqueue`) with the pieces it shares with the kernel path
     (the copy kernels, the device table cache, the job staging pool)."""
-
-    #: `engine_min_height` that turns the copy-engine pack on
-    PACK_LINES = ENGINE_PACK_LINES
 
     def __init__(self, device_id: int, kernels: CopyKernels, tables: TableCache,
                  staging: StagingPool) -> None:
@@ -131,11 +100,6 @@ class StagedPath:
         #: the staging ring per direction, allocated at first use (`ring`)
         self.rings: dict[str, StagingRing] = {}
         self._ring_lock = threading.Lock()
-        #: pack and unpack on the copy engines where a slab's 2-D copies average at least
-        #: this many lines (0: always the kernel); see `ENGINE_PACK_LINES`
-        self.engine_min_height = ENGINE_MIN_HEIGHT
-        #: pieces packed on the copy engines and by the kernel (tests and the bench read them)
-        self.packed_by = {"engines": 0, "kernel": 0}
 
     def ring(self, direction: str, device: CudaDevice, staging_bytes: int,
              buffers: int) -> StagingRing:
@@ -173,10 +137,6 @@ class StagedPath:
         `stream`'s position (compute and FIFO waits), DMAs rows into b (after b's last
         unpack), and `stream` unpacks after each landing. Returns without waiting.
 
-        Where every slab's pack or unpack has a 2-D form of at least `engine_min_height`
-        lines per copy (`pitched_packs`), those copies run on `stream` in place of the
-        kernel (copy engines, device to device), with the same events and no kernel job.
-
         `edges` (first, last) are False for the inner pieces of one transfer: the helper
         already follows the first piece's fork (loads) and the stream waits for the last
         piece's final row copy only (stores), so pieces pipeline like one program. `mark`,
@@ -208,34 +168,49 @@ class StagedPath:
             nbuf = len(ring.ptrs)
             first = ring.next
             order = [(first + k) % nbuf for k in range(len(program.slabs))]
-            engines = pitched_packs(program, plan.table, [ring.ptrs[b] for b in order],
-                                    self.engine_min_height)
-            kjobs = None if engines else self._jobs(program, plan, ring.ptrs, order, stream,
-                                                    store)
-            with self._ring_lock:  # the two directions' rings count at once
-                self.packed_by["kernel" if engines is None else "engines"] += 1
-            if not store and first_edge:
-                fork = create_event(self.device_id, timing=False)
-                stream.record(fork)
-                helper.wait_event(fork)
-                keep.append(fork)
-                if overlap is not None:
-                    helper.record(overlap.start)
-                    stream.wait_event(overlap.after)  # before the first unpack
-            if not store and kjobs is not None:
+            entries = {b: self.tables.entry(
+                staging_table(plan.table, program.rows, store, ring.ptrs[b],
+                              program.rows_per_slab),
+                stream, keep) for b in dict.fromkeys(order)}
+            jobs = [pack_job(slab.segments, entries[b].packed.pieces, None, entries[b].pieces)
+                    for b, slab in zip(order, program.slabs)]
+            offsets = [0]
+            for job in jobs:
+                offsets.append(offsets[-1] + len(job.words))
+            total = offsets[-1]
+            nfetch = -(-total * 8 // FETCH_BYTES) if store else 0  # `_fetch` descriptors
+            st = self.staging.take(total + 3 * nfetch)
+            keep.append(st)
+            for job, off in zip(jobs, offsets):
+                st.words[off : off + len(job.words)] = job.words
+            if store:
+                self._fetch(stream, st, total, nfetch)
+            else:
+                if first_edge:
+                    fork = create_event(self.device_id, timing=False)
+                    stream.record(fork)
+                    helper.wait_event(fork)
+                    keep.append(fork)
+                    if overlap is not None:
+                        helper.record(overlap.start)
+                        stream.wait_event(overlap.after)  # before the first unpack
                 # on the helper, ahead of this piece's row copies, which every unpack
                 # waits for anyway: no kernel (SMs) stands before the first row copy
-                st = kjobs.staging
-                cupy().cuda.runtime.memcpyAsync(st.dev_ptr, st.host_ptr, kjobs.offsets[-1] * 8,
-                                                _H2D, helper.ptr)
+                cupy().cuda.runtime.memcpyAsync(st.dev_ptr, st.host_ptr, total * 8, _H2D,
+                                                helper.ptr)
             last = first
             ring.next = (first + len(program.slabs)) % nbuf
             for k, (b, slab) in enumerate(zip(order, program.slabs)):
                 last = b
+                entry = entries[b]
+                job_addr = st.dev_ptr + offsets[k] * 8
                 src, dst, sizes = slab_descriptors(program, slab, ring.ptrs[b])
                 if store:
                     stream.wait_event(ring.free[b])
-                    self._pack(stream, k, b, engines, kjobs, grid)
+                    if jobs[k].total_units:
+                        self.kernels.launch_table(stream.owner, entry.rows_addr,
+                                                  entry.frags_addr, entry.packed, job_addr,
+                                                  jobs[k], grid)
                     stream.record(ring.ready[b])
                     helper.wait_event(ring.ready[b])
                     if k == 0 and first_edge and overlap is not None:
@@ -247,7 +222,10 @@ class StagedPath:
                     self._dma(batch, helper, src, dst, sizes, store)
                     helper.record(ring.ready[b])
                     stream.wait_event(ring.ready[b])
-                    self._pack(stream, k, b, engines, kjobs, grid)
+                    if jobs[k].total_units:
+                        self.kernels.launch_table(stream.owner, entry.rows_addr,
+                                                  entry.frags_addr, entry.packed, job_addr,
+                                                  jobs[k], grid)
                     stream.record(ring.free[b])
                 keep.append((src, dst, sizes))
             if store and last_edge:
@@ -256,44 +234,6 @@ class StagedPath:
                 stream.wait_event(ring.free[last])
             if mark is not None:
                 (helper if store else stream).record(mark)
-
-    def _jobs(self, program: StagedProgram, plan: TransferPlan, ptrs: list[int],
-              order: list[int], stream: CudaStream, store: bool) -> _KernelJobs:
-        """Every slab's kernel job (its buffer's staging table on the device, the job
-        words in one pinned buffer); a store's words are fetched to the device here
-        (`_fetch`), a load's are copied by the caller on the helper stream."""
-        keep = plan.keepalive
-        entries = {b: self.tables.entry(
-            staging_table(plan.table, program.rows, store, ptrs[b], program.rows_per_slab),
-            stream, keep) for b in dict.fromkeys(order)}
-        jobs = [pack_job(slab.segments, entries[b].packed.pieces, None, entries[b].pieces)
-                for b, slab in zip(order, program.slabs)]
-        offsets = [0]
-        for job in jobs:
-            offsets.append(offsets[-1] + len(job.words))
-        total = offsets[-1]
-        nfetch = -(-total * 8 // FETCH_BYTES) if store else 0  # `_fetch` descriptors
-        st = self.staging.take(total + 3 * nfetch)
-        keep.append(st)
-        for job, off in zip(jobs, offsets):
-            st.words[off : off + len(job.words)] = job.words
-        if store:
-            self._fetch(stream, st, total, nfetch)
-        return _KernelJobs(entries, jobs, offsets, st)
-
-    def _pack(self, stream: CudaStream, k: int, b: int, engines: list[PitchedProgram] | None,
-              kjobs: _KernelJobs | None, grid: int) -> None:
-        """Slab `k`'s pack (stores) or unpack (loads) through buffer `b` on `stream`: its
-        2-D copies on a copy engine (one `cudaMemcpy2DAsync` each), else its kernel."""
-        if engines is not None:
-            enqueue_2d(stream, engines[k], "staged pack copy")
-            return
-        assert kjobs is not None
-        job, entry = kjobs.jobs[k], kjobs.entries[b]
-        if job.total_units:
-            self.kernels.launch_table(stream.owner, entry.rows_addr, entry.frags_addr,
-                                      entry.packed, kjobs.staging.dev_ptr + kjobs.offsets[k] * 8,
-                                      job, grid)
 
     def _fetch(self, stream: CudaStream, st: _Staging, total: int, nfetch: int) -> None:
         """Copy the `total` job words from the pinned buffer to its device twin on `stream`

@@ -28,7 +28,6 @@ from .._program import (
     check_stageable,
     kernel_plan,
     pitched_lines,
-    pitched_packs,
     prepare_staged,
     slab_descriptors,
 )
@@ -238,10 +237,6 @@ class HostBackend(Backend):
         self._ring_lock = threading.Lock()
         #: how many transfers each concrete path ran (for tests and the benchmark)
         self.counts: dict[str, int] = {"memmove": 0, "staged": 0, "pitched": 0}
-        #: as the CUDA staged path's: pieces whose slabs' 2-D copies average this many lines
-        #: pack by them (`pitched_packs`) instead of the kernel's copies (0: off)
-        self.engine_min_height = 0.0
-        self.engine_slabs = 0
 
     # -- memory ------------------------------------------------------------------------------
     def check_device_array(self, info: ArrayInfo, what: str) -> None:
@@ -341,17 +336,9 @@ class HostBackend(Backend):
         if fault is not None:
             raise fault
         with ring.lock:  # the buffers are shared by every stream of the direction
-            bufs = [ring.buffers[i % len(ring.buffers)] for i in range(len(program.slabs))]
-            copies = pitched_packs(program, plan.table, [buf.ptr for buf in bufs],
-                                   self.engine_min_height)
-            if copies is not None:
-                with self._ring_lock:  # the two directions' rings count at once
-                    self.engine_slabs += len(copies)
-            for i, (slab, buf) in enumerate(zip(program.slabs, bufs)):
-                if copies is not None:
-                    ks, kd, kz = pitched_lines(copies[i])
-                else:
-                    ks, kd, kz = kernel_plan(program, slab, plan.table, buf.ptr).coalesced()
+            for i, slab in enumerate(program.slabs):
+                buf = ring.buffers[i % len(ring.buffers)]
+                ks, kd, kz = kernel_plan(program, slab, plan.table, buf.ptr).coalesced()
                 rs, rd, rz = slab_descriptors(program, slab, buf.ptr)
                 steps = [(ks, kd, kz), (rs, rd, rz)]
                 for s, d, z in steps if program.gpu_to_cpu else steps[::-1]:

@@ -115,8 +115,7 @@ def staging_table(table: RefTable, rows: RowSide, gpu_to_cpu: bool, stage_ptr: i
     old = table.dst if gpu_to_cpu else table.src
     geo = SideGeometry(base=list(old.base), row_stride=[rows.span] * len(old.base),
                        sub_stride=list(old.sub_stride),
-                       num_rows=[rows_per_slab] * len(old.base), factor=old.factor,
-                       alloc=[0] * len(old.base))  # one staging buffer
+                       num_rows=[rows_per_slab] * len(old.base), factor=old.factor)
     if gpu_to_cpu:
         out = replace(table, dst=geo, dst_base=bases, dst_row_stride=strides, owners=[],
                       cache={})

@@ -36,7 +36,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from .._errors import InvalidTransferError
-from .pitched import PitchedProgram, build_pitched, mean_height
 from .plan import Segment, TransferPlan
 from .rows import (
     MAX_FACTOR,
@@ -50,8 +49,7 @@ from .rows import (
 from .table import U64, RefTable
 
 __all__ = ["Slab", "StagedProgram", "build_staged", "check_stageable", "kernel_plan",
-           "pitched_pack", "pitched_packs", "prepare_staged", "slab_descriptors",
-           "staged_rows"]
+           "prepare_staged", "slab_descriptors", "staged_rows"]
 
 
 @dataclass(frozen=True)
@@ -366,31 +364,3 @@ def slab_descriptors(program: StagedProgram, slab: Slab, stage_ptr: int
     if program.gpu_to_cpu:
         return stage, slab.host_ptr, slab.sizes
     return slab.host_ptr, stage, slab.sizes
-
-
-def pitched_pack(program: StagedProgram, slab: Slab, table: RefTable, stage_ptr: int,
-                 min_height: float) -> PitchedProgram | None:
-    """`slab`'s pack (stores) or unpack (loads) as 2-D device-to-device copies between the
-    GPU pages and the staging buffer at `stage_ptr`, for the copy engines: one copy per
-    block and run of evenly spaced tensors, which lie side by side in a staging row. None
-    where the slab has no pitched form (parts of pages) or its copies average fewer than
-    `min_height` lines (then each copy moves too little; the kernel packs)."""
-    if min_height <= 0:
-        return None
-    kplan = kernel_plan(program, slab, table, stage_ptr)
-    if mean_height(kplan) < min_height:
-        return None
-    return build_pitched(kplan)
-
-
-def pitched_packs(program: StagedProgram, table: RefTable, stage_ptrs: list[int],
-                  min_height: float) -> list[PitchedProgram] | None:
-    """Every slab's `pitched_pack` (slab k through the buffer at ``stage_ptrs[k]``), or
-    None where any slab has none: a piece packs by 2-D copies all or not at all."""
-    out: list[PitchedProgram] = []
-    for slab, ptr in zip(program.slabs, stage_ptrs):
-        copies = pitched_pack(program, slab, table, ptr, min_height)
-        if copies is None:
-            return None
-        out.append(copies)
-    return out

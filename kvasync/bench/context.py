@@ -30,8 +30,7 @@ import kvasync as kv
 from .ceilings import Ceilings, sync_round_trips
 from .common import GiB, MiB, Options, fmt_size
 
-__all__ = ["BenchUnavailable", "Context", "Ran", "Timing", "cuda_unavailable_reason", "row_setting",
-           "submit"]
+__all__ = ["BenchUnavailable", "Context", "Ran", "Timing", "cuda_unavailable_reason", "submit"]
 
 #: vLLM's shipped policy: loads below this page size run its Triton kernel with 12 programs,
 #: everything else batched DMA (re-created with kvasync's own kernel and DMA paths)
@@ -254,12 +253,20 @@ class Context:
         return Timing(samples, moved, statistics.median(device), ran.text,
                       statistics.median(calls))
 
-    @property
-    def staged_ce(self) -> bool:
-        """Whether the bandwidth and interference sections add a ``staged-ce`` row: the
-        staged path with its pack and unpack on the copy engines (where a slab's 2-D
-        copies are tall enough), beside its default (the kernel)."""
-        return self.gpu and "staged" in self.paths
+    @contextmanager
+    def grid(self, off: kv.Offloader, ctas: int | None) -> Iterator[None]:
+        """Run the block with the copy kernels at `ctas` CTAs (no-op for None or a backend
+        without kernels)."""
+        backend: Any = off.backend
+        old = getattr(backend, "grid", None)
+        if ctas is None or old is None:
+            yield
+            return
+        backend.grid = ctas
+        try:
+            yield
+        finally:
+            backend.grid = old
 
     def vllm_policy(self, direction: str, page: int) -> tuple[str, int | None] | None:
         """(path, kernel CTAs) that re-create vLLM's shipped choice, where this backend has
@@ -337,36 +344,8 @@ class Context:
 
 
 def _path_counts(off: kv.Offloader) -> dict[str, int] | None:
-    """Transfers run per concrete path so far, where the backend counts them (None: not),
-    and the CUDA staged path's pieces packed on the copy engines."""
+    """Transfers run per concrete path so far, where the backend counts them (None: not)."""
     counts = getattr(off.backend, "counts", None)
     if not isinstance(counts, dict):
         return None
-    out = {p: int(counts.get(p, 0)) for p in off.backend.paths if p != "auto"}
-    # staged pieces packed on the copy engines show as "staged(ce)" beside "staged"
-    packed = getattr(getattr(off.backend, "_staged", None), "packed_by", None)
-    if isinstance(packed, dict):
-        out["staged(ce)"] = int(packed.get("engines", 0))
-    return out
-
-
-@contextmanager
-def row_setting(off: kv.Offloader, name: str, ctas: int | None = None) -> Iterator[None]:
-    """The block with a row's backend setting: the copy kernels at `ctas` CTAs (None: as
-    they are), and for row ``staged-ce`` the staged path's copy-engine pack on. No-op
-    where the backend has no such setting."""
-    backend: Any = off.backend
-    staged: Any = getattr(backend, "_staged", None)
-    old_grid = getattr(backend, "grid", None)
-    old_height = getattr(staged, "engine_min_height", None)
-    if ctas is not None and old_grid is not None:
-        backend.grid = ctas
-    if name == "staged-ce" and staged is not None:
-        staged.engine_min_height = staged.PACK_LINES
-    try:
-        yield
-    finally:
-        if old_grid is not None:
-            backend.grid = old_grid
-        if old_height is not None:
-            staged.engine_min_height = old_height
+    return {p: int(counts.get(p, 0)) for p in off.backend.paths if p != "auto"}

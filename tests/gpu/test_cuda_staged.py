@@ -266,4 +266,3 @@ async def test_split_loads_land_in_order_beside_urgent_and_layerwise_loads(
         np.testing.assert_array_equal(got[urgent_dst], want[t][sets[0][:16]])
     np.testing.assert_array_equal(_np(after).reshape(8, page), want[7][sets[0][:8]])
     await off.aclose()
-

@@ -21,6 +21,9 @@ import kvasync as kv
 
 N_OPS = int(os.environ.get("KVASYNC_SOAK_OPS", "200000"))
 TIME_LIMIT = float(os.environ.get("KVASYNC_SOAK_SECONDS", "100"))
+#: transfers every soak runs whatever its time budget (a slow host takes longer, it does not
+#: fail): enough to read memory after the warm-up (`done == 2000`) and well past it
+MIN_OPS = min(N_OPS, 5000)
 
 
 def _rss_bytes() -> int:
@@ -76,7 +79,7 @@ def _soak(off: kv.Offloader, backend: str, path: str, gpu: list[Any], mem: Mem,
     done = 0
     t_start = time.perf_counter()
     transfers_bytes = 0
-    while done < N_OPS and time.perf_counter() - t_start < time_limit:
+    while done < N_OPS and (done < MIN_OPS or time.perf_counter() - t_start < time_limit):
         if done == 2000:
             rss0 = _rss_bytes()
             pinned0 = off._resources()["host_bytes"] if off.host_pinned else 0
@@ -144,7 +147,6 @@ def _soak(off: kv.Offloader, backend: str, path: str, gpu: list[Any], mem: Mem,
           f"0 mismatches; RSS {rss0 / 2**20:.1f} -> {rss1 / 2**20:.1f} MiB; "
           f"pinned {pinned0 / 2**20:.2f} -> {pinned1 / 2**20:.2f} MiB")
     assert pinned1 == pinned0
-    assert done >= min(N_OPS, 5000), f"only {done} transfers in {time_limit} s"
     assert rss1 - rss0 < 64 * 2**20, "memory grew during the soak"
     assert off.backend.name == backend
 

@@ -5,9 +5,8 @@ chunk ids) of every KV tensor of the run's layout. GB/s is bytes over the wall t
 `store()`/`load()` call until the transfer is done, so host work counts; ``device_gbps`` is
 over the transfer's own event time. Rows: one per page, direction and path, plus
 ``vllm-policy`` where the backend has a kernel and a DMA path (vLLM's shipped choice re-created
-with kvasync's paths: stores DMA; loads a 12-CTA kernel below 28 KiB, DMA above),
-``staged-ce`` on CUDA (the staged path with its pack and unpack on the copy engines instead
-of the kernel, where a slab's 2-D copies are tall enough) and one ``ceiling`` row per direction.
+with kvasync's paths: stores DMA; loads a 12-CTA kernel below 28 KiB, DMA above) and one
+``ceiling`` row per direction.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ import sys
 import kvasync as kv
 
 from ..common import DIRECTIONS, Row, Section, bandwidth_row, fmt_size
-from ..context import Context, row_setting
+from ..context import Context
 
 
 def run(ctx: Context) -> list[Row]:
@@ -35,12 +34,10 @@ def run(ctx: Context) -> list[Row]:
             policy = ctx.vllm_policy(direction, page)
             if policy is not None:
                 cases.append(("vllm-policy", *policy))
-            if ctx.staged_ce:
-                cases.append(("staged-ce", "staged", None))
             for name, path, ctas in cases:
                 ctx.progress(f"{fmt_size(page)} {direction} {name}")
                 try:
-                    with row_setting(off, name, ctas):
+                    with ctx.grid(off, ctas):
                         t = ctx.time_transfer(off, direction, gpu, cpu, path)
                 except kv.InvalidTransferError as exc:  # e.g. a row beyond a staging buffer
                     print(f"bandwidth: {fmt_size(page)} {direction} {name} not run: {exc}",

@@ -6,8 +6,7 @@ stream (``stream=``, so they never wait for the matmuls) for a window of at leas
 `WINDOW_S`. On a GPU, `auto` runs a second time (row path ``auto@128MiB``) on an offloader
 with `BIG_STAGING` bytes of staging per direction: the matmul's kernels hold every SM, so
 a pack or unpack runs only between two of them, and the link share is bounded by the
-staging bytes per matmul kernel (docs/performance.md); row ``staged-ce`` runs `staged`
-with its pack and unpack on the copy engines instead of a kernel. Each
+staging bytes per matmul kernel (docs/performance.md). Each
 row carries the link share as `ratio` (GB/s over the one-direction ceiling) and the matmul's
 kept share as ``extra.tflops_ratio`` (its TFLOP/s in the window over the mean of its rate
 alone at the start and the end). TFLOP/s counts the matmul work that overlaps the window,
@@ -27,7 +26,7 @@ from typing import Any
 import kvasync as kv
 
 from ..common import DIRECTIONS, KiB, MiB, Row, Section, fmt_size
-from ..context import WAIT_S, Context, row_setting, submit
+from ..context import WAIT_S, Context, submit
 
 PAGES = (4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB)
 MATMUL_N = 8192
@@ -182,11 +181,9 @@ def _page_rows(ctx: Context, mm: MatmulLoop, side: Any, page: int, chunk: int,
             cases.append(("vllm-policy", *policy, off))
         if big is not None:
             cases.append((f"auto@{BIG_STAGING // MiB}MiB", "auto", None, big))
-        if ctx.staged_ce:
-            cases.append(("staged-ce", "staged", None, off))
         for name, path, ctas, o in cases:
             ctx.progress(f"{fmt_size(page)} {direction} {name} beside the matmul")
-            with row_setting(o, name, ctas), ctx.ran_paths(o) as ran:
+            with ctx.grid(o, ctas), ctx.ran_paths(o) as ran:
                 gpu, cpu = ids[0]  # warm-up outside the window (tables, first launch)
                 submit(o, direction, gpu, cpu, path=path, stream=side).wait(WAIT_S)
 
