@@ -13,7 +13,7 @@ from .common import HOST_LABEL, Row, Run, fmt_size
 
 __all__ = ["render", "summary"]
 
-_ORDER = ("bandwidth", "interference", "bidirectional", "latency", "cpu", "hostcost",
+_ORDER = ("bandwidth", "pipeline", "interference", "bidirectional", "latency", "cpu", "hostcost",
           "priority", "layerwise", "rate")
 
 
@@ -54,6 +54,22 @@ def _bandwidth(rows: list[Row]) -> list[str]:
                 else "-", f"{auto.value('call_seconds') * 1e3:.2f}" if auto else "-"])
     return _table("GB/s (ratio to the ceiling), each path alone, wall time from call to done:",
                   ["dir", "page", *paths, "auto ran (device GB/s)", "auto call ms"], lines)
+
+
+def _pipeline(rows: list[Row]) -> list[str]:
+    by = {(r.direction, r.page_bytes, r.path, r.extra.get("mode")): r for r in rows}
+    lines = []
+    for d, page, path in dict.fromkeys((r.direction, r.page_bytes, r.path) for r in rows):
+        run, held = by.get((d, page, path, "as-run")), by.get((d, page, path, "held"))
+        either = run or held
+        lines.append([d, fmt_size(page), path, either.extra.get("ran", "?") if either else "?",
+                      _num(run.value("wall_ratio") if run else None, ".3f"),
+                      _num(run.ratio if run else None, ".3f"),
+                      _num(held.ratio if held else None, ".3f")])
+    return _table("ratio to the ceiling; event time as run, and with every slab enqueued "
+                  "before the device starts (held):",
+                  ["dir", "page", "path", "ran", "as run (wall)", "as run (device)",
+                   "held (device)"], lines)
 
 
 def _interference(rows: list[Row]) -> list[str]:
@@ -160,7 +176,8 @@ def _generic(rows: list[Row]) -> list[str]:
 
 
 _RENDER: dict[str, Callable[[list[Row]], list[str]]] = {
-    "bandwidth": _bandwidth, "interference": _interference, "bidirectional": _bidirectional,
+    "bandwidth": _bandwidth, "pipeline": _pipeline, "interference": _interference,
+    "bidirectional": _bidirectional,
     "latency": _latency, "cpu": _cpu, "hostcost": _hostcost, "priority": _priority,
     "layerwise": _layerwise, "rate": _rate,
 }

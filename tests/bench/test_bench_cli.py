@@ -48,7 +48,7 @@ def test_quick_run_without_cupy_runs_on_the_host_backend(quick_run: tuple[Path, 
     both = res.stdout + res.stderr
     assert "Traceback" not in both and "ModuleNotFoundError" not in both, both[-3000:]
     assert HOST_LABEL in res.stdout
-    for section in ("interference", "cpu", "layerwise"):
+    for section in ("pipeline", "interference", "cpu", "layerwise"):
         assert f"skipped {section}: needs a CUDA GPU (CuPy is not installed" in res.stdout
     assert (out / "bench.txt").read_text() == res.stdout
 
@@ -66,7 +66,7 @@ def test_quick_run_writes_a_valid_bench_json(quick_run: tuple[Path, Any]) -> Non
     # the remote section says it was skipped where NIXL is missing, as the GPU ones do
     from kvasync.bench.sections.remote import _nixl_missing
 
-    gpu_only = {"interference", "cpu", "layerwise"}
+    gpu_only = {"pipeline", "interference", "cpu", "layerwise"}
     assert set(meta["skipped"]) == gpu_only | ({"remote"} if _nixl_missing() else set())
     if _nixl_missing():
         assert "skipped remote: NIXL is not available" in (out / "bench.txt").read_text()

@@ -37,6 +37,10 @@ def gpu_run() -> Run:
                     gbps = 46.2  # one miss: d2h auto at 4 KiB is 0.84 of the ceiling
                 rows.append(bandwidth_row("bandwidth", path, d, page, [1.0 / gbps], 10**9,
                                           CEIL[d], 1.0 / (gbps + 1), "", {"ran": "staged"}))
+    for mode, ratio in (("as-run", 0.898), ("held", 0.955)):
+        rows.append(Row("pipeline", "staged", "h2d", 4 * KiB, ratio, ratio * 55, 55.0,
+                        {"wall_ratio": 0.853} if mode == "as-run" else {},
+                        extra={"mode": mode, "ran": "staged"}))
     rows.append(Row("interference", "matmul-alone", values={"tflops": 640.0}))
     for d, (mm, link) in (("h2d", (0.99, 0.90)), ("d2h", (0.44, 0.90))):
         for page in (4 * KiB, 16 * KiB):
@@ -111,9 +115,11 @@ def test_render_shows_every_section_and_path(tmp_path: Path) -> None:
     text = render(run)
     assert "kvasync bench on NVIDIA H200 (cuda backend), 2026-12-04" in text
     assert "command: python -m kvasync.bench --out docs/benchmarks" in text
-    for name in ("bandwidth", "interference", "bidirectional", "latency", "cpu", "hostcost",
-                 "priority", "layerwise", "rate", "targets"):
+    for name in ("bandwidth", "pipeline", "interference", "bidirectional", "latency", "cpu",
+                 "hostcost", "priority", "layerwise", "rate", "targets"):
         assert f"== {name} ==" in text
+    # one line per (direction, page, path): wall and event time as run, event time held
+    assert re.search(r"^h2d +4 KiB +staged +staged +0\.853 +0\.898 +0\.955$", text, re.M)
     header = next(line for line in text.splitlines() if line.startswith("dir  page"))
     assert header.split()[2:6] == ["auto", "kernel", "dma", "staged"]
     assert re.search(r"^d2h +4 KiB +46\.2 \(0\.84\) +46\.0 \(0\.84\)", text, re.M)

@@ -15,6 +15,7 @@ from . import (
     interference,
     latency,
     layerwise,
+    pipeline,
     priority,
     rate,
     remote,
@@ -26,6 +27,7 @@ SECTIONS: dict[str, Section] = {
     s.name: s
     for s in (
         bandwidth.SECTION,
+        pipeline.SECTION,
         interference.SECTION,
         bidirectional.SECTION,
         latency.LATENCY,
