@@ -89,8 +89,10 @@ class PieceSizes:
     #: staged and pitched stores of at least this many bytes are enqueued by the lane's
     #: launcher thread (the caller only validates, builds the plan and records the order
     #: event): a 64 x 128 blocks store of 16 KiB pages spent ~1.5 ms enqueueing its slabs
-    #: on the H200 host
-    DEFER_MIN_BYTES = 4 << 20
+    #: on the H200 host. Even one slab's program and launches cost more than the hand-off:
+    #: on an H100 host a 1 x 128 blocks staged store (2 MiB), enqueued by its caller, held
+    #: it 153 us, where a deferred 8 x 128 one held it 64 us
+    DEFER_MIN_BYTES = 1 << 20
     DEFER_PATHS = frozenset({"staged", "pitched"})
 
     def _deferred(self, plan: TransferPlan, path: str, signal: Event | None) -> bool:
