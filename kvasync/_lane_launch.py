@@ -5,8 +5,9 @@ between a start and an end event, and the launcher thread of deferred transfers.
 its base) and its submission (`_scheduler.DirectionQueue`, its subclass): a submission
 either launches at once on the caller's thread (`_launch`, then `_add` hands the record to
 the completion side) or queues a `Launch` for the launcher thread (`_launch_loop`), which
-does the same in submission order. Big staged stores are deferred (`_deferred`): their
-slabs cost the host ~1 ms to enqueue, which the caller need not wait for. A big staged load
+does the same in submission order. Staged and pitched stores of 1 MiB or more are
+deferred (`_deferred`): their enqueue costs the host more than the hand-off (~1 ms for a big
+store's slabs), which the caller need not wait for. A big staged load
 is split (`_split_at`): its caller enqueues the first pieces, so the copy starts at once,
 and the launcher the rest (`Rest`). The sizes live in `_lane_pieces`.
 """

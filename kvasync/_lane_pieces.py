@@ -2,8 +2,9 @@
 
 A mixin of `_lane_launch.LaneLaunch` (its sizes are class attributes, so a test or a bench
 can change them on the lane class): piece sizes per path (`_piece_slots`), transfers up to a
-size kept whole (`_whole_bytes`), big staged stores deferred to the launcher thread
-(`_deferred`) and big staged loads split between the caller and the launcher (`_split_at`).
+size kept whole (`_whole_bytes`), staged and pitched stores of 1 MiB or more deferred to the
+launcher thread (`_deferred`) and big staged loads split between the caller and the
+launcher (`_split_at`).
 """
 
 from __future__ import annotations

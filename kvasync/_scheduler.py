@@ -10,9 +10,10 @@ Submission (under the direction's lock), for every transfer:
    strictly in submission order;
 3. record the start event, enqueue the copy path, record the end event.
 
-Steps 2-3 run on the caller's thread too, except for big staged stores: their slabs cost
-the host ~1 ms to enqueue, so the lane's launcher thread does it (and every later transfer
-of the lane until it caught up), and `store()` returns after step 1.
+Steps 2-3 run on the caller's thread too, except for staged and pitched stores of 1 MiB or
+more: their program and launches cost the host more than a hand-off (~1 ms for a big
+store's slabs), so the lane's launcher thread does it (and every later transfer of the
+lane until it caught up), and `store()` returns after step 1.
 
 Completion (`_lane_completion.py`, the base class): a daemon thread per direction takes
 transfers in FIFO order, sleeps in the end event's blocking wait, then completes the

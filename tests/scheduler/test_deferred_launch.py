@@ -152,3 +152,24 @@ def test_close_waits_for_deferred_stores_and_stops_the_launcher(
     off.close()
     assert all(t.done() and t.result().success for t in ts)
     assert not _launchers()
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("blocks", "deferred"), [(7, False), (8, True)])
+async def test_the_default_threshold_defers_stores_of_one_mib_and_up(blocks: int,
+                                                                     deferred: bool) -> None:
+    """At the default `DEFER_MIN_BYTES` (1 MiB): 8 blocks of 2 x 64 KiB pages are deferred,
+    7 (0.875 MiB) stay on the caller's thread."""
+    page = 64 * 1024
+    gpu = [np.full((16, page), i + 1, np.uint8) for i in range(2)]
+    off = kv.Offloader(kv.KVCacheLayout.from_tensors(gpu), 16, 1, copy_path="staged")
+    assert DirectionQueue.DEFER_MIN_BYTES == 1 << 20
+    t = off.store(gpu_blocks=list(range(blocks)), cpu_chunks=list(range(blocks)))
+    assert t.nbytes == blocks * 2 * page
+    assert bool(_launchers()) == deferred
+    assert (await t).success
+    for view, src in zip(off.cpu_tensors, gpu):
+        np.testing.assert_array_equal(view[:blocks].reshape(blocks, page), src[:blocks])
+    await off.aclose()
+    assert not _launchers()
