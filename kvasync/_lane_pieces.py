@@ -35,6 +35,14 @@ class PieceSizes:
     #: device sat idle; 8 MiB packs in tens of microseconds
     FIRST_PIECE_BYTES = 8 << 20
     MIN_FIRST_SLOTS = 256
+    PIECE_GROWTH = 4
+    #: a staged transfer's first piece, and its growth per piece: each piece costs the host
+    #: ~0.4 ms before its first row copy (program, jobs, launches), so a piece's copy must
+    #: outlast the next one's preparation. 8 MiB then 4x left the copy engines idle
+    #: 0.6-1.2 ms per GiB at the first two piece boundaries; 48 MiB then 2x, 0.02-0.3 ms
+    #: (H100, 1 GiB at 4 and 16 KiB pages, helper-stream events around every slab's copies)
+    STAGED_FIRST_PIECE_BYTES = 48 << 20
+    STAGED_GROWTH = 2
     #: a staged transfer up to this size is one program (its build is short)
     STAGED_WHOLE_BYTES = 64 << 20
 
@@ -65,8 +73,9 @@ class PieceSizes:
             return self.SPLIT_HEAD_PIECES
         return pieces
 
-    def _piece_slots(self, plan: TransferPlan, path: str = "dma") -> tuple[int, int]:
-        """(slots per piece, slots of the first piece) for a big `plan` on `path`.
+    def _piece_slots(self, plan: TransferPlan, path: str = "dma") -> tuple[int, int, int]:
+        """(slots per piece, slots of the first piece, growth per piece) for a big `plan`
+        on `path` (`TransferPlan.pieces`' arguments).
 
         Staged pieces are sized in bytes only: a slot there is a block of every KV tensor
         (1 MiB at 16 KiB pages x 64 tensors), and the slot floors below, set for the
@@ -76,16 +85,18 @@ class PieceSizes:
         limit = self._piece_bytes(path)
         staged = path == "staged"
         slots = sum(len(s.src_slots) for s in plan.segments)
+        growth = self.STAGED_GROWTH if staged else self.PIECE_GROWTH
         if slots == 0 or plan.nbytes <= self._whole_bytes(path):
-            return max(slots, 1), max(slots, 1)
+            return max(slots, 1), max(slots, 1), growth
         per_slot = plan.nbytes / slots
         floor_most, floor_first = ((1, 1) if staged
                                    else (self.MIN_PIECE_SLOTS, self.MIN_FIRST_SLOTS))
         most = max(floor_most, int(limit / per_slot))
         if slots <= most and not staged:
-            return slots, slots
-        first = max(floor_first, int(self.FIRST_PIECE_BYTES / per_slot))
-        return most, min(first, most)
+            return slots, slots, growth
+        head = self.STAGED_FIRST_PIECE_BYTES if staged else self.FIRST_PIECE_BYTES
+        first = max(floor_first, int(head / per_slot))
+        return most, min(first, most), growth
 
     #: staged and pitched stores of at least this many bytes are enqueued by the lane's
     #: launcher thread (the caller only validates, builds the plan and records the order

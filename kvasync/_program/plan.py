@@ -100,15 +100,16 @@ class TransferPlan:
             self._coalesced = coalesce(*self.flat())
         return self._coalesced
 
-    def pieces(self, max_slots: int, first: int | None = None) -> list[TransferPlan]:
+    def pieces(self, max_slots: int, first: int | None = None,
+               growth: int = 4) -> list[TransferPlan]:
         """Split into plans of at most `max_slots` slots each (segment order kept).
 
         The scheduler enqueues big transfers piece by piece on one stream, so the device
         starts on the first piece while the host still prepares the next, and other
         streams' copies can interleave at piece boundaries. Pieces share `keepalive`.
-        `first` (< `max_slots`) starts with a small piece and grows 4x per piece up to
-        `max_slots`: the device starts after a short pack, and each later pack hides
-        behind the copy of the piece before it.
+        `first` (< `max_slots`) starts with a small piece and grows `growth` times per
+        piece up to `max_slots`: the device starts after a short pack, and each later pack
+        hides behind the copy of the piece before it.
         """
         total = sum(len(seg.src_slots) for seg in self.segments)
         if total <= min(max_slots, first or max_slots) or not self.segments:
@@ -129,7 +130,7 @@ class TransferPlan:
                 room -= take
                 if room == 0:
                     out.append(self._piece(table, cur))
-                    size = min(4 * size, max_slots)
+                    size = min(max(growth, 1) * size, max_slots)
                     cur, room = [], size
         if cur:
             out.append(self._piece(table, cur))

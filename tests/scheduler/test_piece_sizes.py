@@ -27,9 +27,11 @@ def _sizes(lane: LaneLaunch, plan: TransferPlan, path: str) -> list[int]:
 
 @pytest.fixture
 def small(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Piece sizes of a 1 GiB transfer at 1/64 scale: 128 KiB first, 4 MiB at most, one
-    program up to 1 MiB; slot floors of 64 / 8 for the descriptor paths."""
+    """Piece sizes of a 1 GiB transfer at 1/64 scale: 128 KiB first (staged: 768 KiB,
+    then 2x), 4 MiB at most, one program up to 1 MiB; slot floors of 64 / 8 for the
+    descriptor paths."""
     for name, value in (("FIRST_PIECE_BYTES", 128 << 10), ("KERNEL_PIECE_BYTES", 4 * MiB),
+                        ("STAGED_FIRST_PIECE_BYTES", 768 << 10),
                         ("PIECE_BYTES", 512 << 10), ("STAGED_WHOLE_BYTES", MiB),
                         ("MIN_PIECE_SLOTS", 64), ("MIN_FIRST_SLOTS", 8)):
         monkeypatch.setattr(LaneLaunch, name, value)
@@ -43,9 +45,9 @@ def test_staged_pieces_ramp_by_bytes_whatever_the_slot_size() -> None:
     try:
         sizes = _sizes(lane, plan, "staged")
         assert sum(sizes) == plan.nbytes == 16 * MiB
-        # no slot floor: the first piece is FIRST_PIECE_BYTES rounded down to whole slots
-        # (at least one), then 4x per piece up to KERNEL_PIECE_BYTES
-        assert sizes[:4] == [256 << 10, MiB, 4 * MiB, 4 * MiB]
+        # no slot floor: the first piece is STAGED_FIRST_PIECE_BYTES rounded down to
+        # whole slots (at least one), then 2x per piece up to KERNEL_PIECE_BYTES
+        assert sizes[:5] == [768 << 10, 1536 << 10, 3 * MiB, 4 * MiB, 4 * MiB]
         assert all(s <= 4 * MiB for s in sizes)
         # the descriptor paths keep their floors: 64 slots per piece is the whole transfer
         assert _sizes(lane, plan, "dma") == [plan.nbytes]

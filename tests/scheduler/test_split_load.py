@@ -22,6 +22,7 @@ SLOT = PAGE * TENSORS  # one block of every tensor
 def small_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
     """Pieces of 2, 8, 16, 16, 16, 6 slots for a load of every block (staged)."""
     for name, value in (("STAGED_WHOLE_BYTES", 4 * SLOT), ("FIRST_PIECE_BYTES", 2 * SLOT),
+                        ("STAGED_FIRST_PIECE_BYTES", 2 * SLOT), ("STAGED_GROWTH", 4),
                         ("KERNEL_PIECE_BYTES", 16 * SLOT)):
         monkeypatch.setattr(LaneLaunch, name, value)
 
