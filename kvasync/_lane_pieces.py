@@ -30,9 +30,10 @@ class PieceSizes:
     KERNEL_PIECE_BYTES = 256 << 20
     MIN_PIECE_SLOTS = 2048
 
-    #: the first piece of a big transfer is this small (then 4x per piece up to the limit):
-    #: packing 256 MiB of 4 KiB pages took ~0.5 ms on the H200 host, time in which the
-    #: device sat idle; 8 MiB packs in tens of microseconds
+    #: the first piece of a big DMA or kernel transfer is this small (then `PIECE_GROWTH`
+    #: times bigger per piece up to the limit): packing 256 MiB of 4 KiB pages took ~0.5 ms
+    #: on the H200 host, time in which the device sat idle; 8 MiB packs in tens of
+    #: microseconds
     FIRST_PIECE_BYTES = 8 << 20
     MIN_FIRST_SLOTS = 256
     PIECE_GROWTH = 4
@@ -59,9 +60,10 @@ class PieceSizes:
         count: this runs on every submission)."""
         return self.STAGED_WHOLE_BYTES if path == "staged" else self._piece_bytes(path)
 
-    #: a big staged load's caller enqueues this many of its pieces (the first is small,
-    #: the next 4x: ~40 MiB, 0.7 ms of copying), the launcher thread the rest: the
-    #: driver's ~0.7 us per row copy held the caller 5-8 ms per GiB (H200 host)
+    #: a big staged load's caller enqueues this many of its pieces (48 and 96 MiB, ~2.7 ms
+    #: of copying, time in which the launcher thread gets the GIL and goes on), the
+    #: launcher the rest: the driver's ~0.7 us per row copy held the caller 5-8 ms per GiB
+    #: (H200 host)
     SPLIT_HEAD_PIECES = 2
 
     def _split_at(self, path: str, signal: Event | None, pieces: int) -> int:

@@ -15,7 +15,8 @@ Facts this path is built on (H200, ../shared/probes/staged_rows.py and the bench
   events hand each buffer back and forth;
 - with only two buffers, 4 KiB loads beside a bf16 matmul moved 56% of the link: the
   matmul's kernels hold the SMs, an unpack starts late, and the next DMA into its buffer
-  waits for it. More buffers let the copy engines run ahead.
+  waits for it. More buffers let the copy engines run ahead, so a transfer also uses the
+  other direction's buffers while that direction is idle (`StagedPath.lend`).
 
 Per piece, one move of every slab's kernel job to the device: a store's is fetched by the
 flat copy kernel from pinned memory (a copy-engine upload would queue behind the loads'
