@@ -15,8 +15,10 @@ Facts this path is built on (H200, ../shared/probes/staged_rows.py and the bench
   events hand each buffer back and forth;
 - with only two buffers, 4 KiB loads beside a bf16 matmul moved 56% of the link: the
   matmul's kernels hold the SMs, an unpack starts late, and the next DMA into its buffer
-  waits for it. More buffers let the copy engines run ahead, so a transfer also uses the
-  other direction's buffers while that direction is idle (`StagedPath.lend`).
+  waits for it. More buffers let the copy engines run ahead. Borrowing the idle direction's
+  buffers raised the link share there but made that direction's next transfer wait on the
+  device for the borrower's enqueued slabs (docs/performance.md), so each direction keeps
+  its own.
 
 Per piece, one move of every slab's kernel job to the device: a store's is fetched by the
 flat copy kernel from pinned memory (a copy-engine upload would queue behind the loads'
@@ -31,7 +33,6 @@ Host work does not grow with the number of KV tensors.
 from __future__ import annotations
 
 import threading
-import weakref
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -79,9 +80,6 @@ class StagingRing:
         self.next = 0
         #: one transfer at a time enqueues on the ring (lanes may submit concurrently)
         self.lock = threading.Lock()
-        #: the ring whose transfer last enqueued slabs into these buffers (this one, or the
-        #: other direction's while it borrowed them: `StagedPath.lend`)
-        self.last_user: StagingRing = self
 
 
 #: up to this many runs, one cudaMemcpyAsync each; more go in one batch call, which the
@@ -105,9 +103,6 @@ class StagedPath:
         #: the staging ring per direction, allocated at first use (`ring`)
         self.rings: dict[str, StagingRing] = {}
         self._ring_lock = threading.Lock()
-        #: what the first `ring` call passed (the device weakly), to allocate the other
-        #: direction's ring when a transfer borrows it
-        self._ring_args: tuple[weakref.ref[CudaDevice], int, int] | None = None
 
     def ring(self, direction: str, device: CudaDevice, staging_bytes: int,
              buffers: int) -> StagingRing:
@@ -118,8 +113,6 @@ class StagedPath:
         if ring is not None:
             return ring
         with self._ring_lock:
-            if self._ring_args is None:
-                self._ring_args = (weakref.ref(device), int(staging_bytes), int(buffers))
             ring = self.rings.get(direction)
             if ring is None:
                 n = max(int(buffers), 2)
@@ -129,44 +122,6 @@ class StagedPath:
 
     def close(self) -> None:
         self.rings.clear()
-
-    #: a transfer may borrow the other direction's staging buffers while that direction is
-    #: idle (`lend`)
-    BORROW = True
-
-    def lend(self, ring: StagingRing, direction: Direction) -> StagingRing | None:
-        """The other direction's ring, its lock held, if a transfer on `ring` may use its
-        buffers too; else None.
-
-        Beside a model whose kernels hold every SM for ~1.5 ms, a pack or unpack runs only
-        between two of them, so the copy engines move at most the staging bytes per model
-        kernel: 64 MiB per direction kept 72-76% of the link at 4-16 KiB pages, 128 MiB
-        84-92% (H100). Both directions' buffers are allocated anyway; one direction uses
-        the other's while that one has nothing in them: its lock is free and every buffer's
-        last use has finished on the device, or this ring borrowed them last. A transfer of
-        the other direction that starts meanwhile waits for the lock (one piece's enqueue)
-        and, on the device, for each buffer's last row copy."""
-        other_dir = "h2d" if direction == "d2h" else "d2h"
-        other = self.rings.get(other_dir)
-        if other is None:
-            args = self._ring_args
-            if args is None:
-                return None
-            device = args[0]()
-            if device is None:
-                return None
-            other = self.ring(other_dir, device, args[1], args[2])
-        if other is ring or other.slab_bytes != ring.slab_bytes:
-            return None
-        if not other.lock.acquire(blocking=False):
-            return None
-        try:
-            if other.last_user is ring or all(e.query() for e in (*other.free, *other.ready)):
-                return other
-        except Exception:  # a failing query: the buffers are not lent
-            pass
-        other.lock.release()
-        return None
 
     def enqueue(self, ring: StagingRing, stream: CudaStream, plan: TransferPlan,
                 direction: Direction, grid: int, batch: _cudart.BatchCopier | None,
@@ -213,88 +168,75 @@ class StagedPath:
         keep = plan.keepalive
         keep.append(ring)
         with ring.lock:
-            lent = self.lend(ring, direction) if self.BORROW else None
-            ptrs, ready, free = list(ring.ptrs), list(ring.ready), list(ring.free)
-            if lent is not None:
-                keep.append(lent)
-                lent.last_user = ring
-                ptrs += lent.ptrs
-                ready += lent.ready
-                free += lent.free
-            ring.last_user = ring
-            try:
-                nbuf = len(ptrs)
-                first = ring.next % nbuf
-                order = [(first + k) % nbuf for k in range(len(program.slabs))]
-                entries = {b: self.tables.entry(
-                    staging_table(plan.table, program.rows, store, ptrs[b],
-                                  program.rows_per_slab),
-                    stream, keep) for b in dict.fromkeys(order)}
-                jobs = [pack_job(slab.segments, entries[b].packed.pieces, None, entries[b].pieces)
-                        for b, slab in zip(order, program.slabs)]
-                offsets = [0]
-                for job in jobs:
-                    offsets.append(offsets[-1] + len(job.words))
-                total = offsets[-1]
-                nfetch = -(-total * 8 // FETCH_BYTES) if store else 0  # `_fetch` descriptors
-                st = self.staging.take(total + 3 * nfetch)
-                keep.append(st)
-                for job, off in zip(jobs, offsets):
-                    st.words[off : off + len(job.words)] = job.words
-                if store:
-                    self._fetch(stream, st, total, nfetch)
-                else:
-                    if first_edge:
-                        fork = create_event(self.device_id, timing=False)
-                        stream.record(fork)
-                        helper.wait_event(fork)
-                        keep.append(fork)
-                        if overlap is not None:
-                            helper.record(overlap.start)
-                            stream.wait_event(overlap.after)  # before the first unpack
-                    # on the helper, ahead of this piece's row copies, which every unpack
-                    # waits for anyway: no kernel (SMs) stands before the first row copy
-                    cupy().cuda.runtime.memcpyAsync(st.dev_ptr, st.host_ptr, total * 8, _H2D,
-                                                    helper.ptr)
-                last = first
-                ring.next = (first + len(program.slabs)) % nbuf
-                for k, (b, slab) in enumerate(zip(order, program.slabs)):
-                    last = b
-                    entry = entries[b]
-                    job_addr = st.dev_ptr + offsets[k] * 8
-                    src, dst, sizes = slab_descriptors(program, slab, ptrs[b])
-                    if store:
-                        stream.wait_event(free[b])
-                        if jobs[k].total_units:
-                            self.kernels.launch_table(stream.owner, entry.rows_addr,
-                                                      entry.frags_addr, entry.packed, job_addr,
-                                                      jobs[k], grid)
-                        stream.record(ready[b])
-                        helper.wait_event(ready[b])
-                        if k == 0 and first_edge and overlap is not None:
-                            helper.record(overlap.start)
-                        self._dma(batch, helper, src, dst, sizes, store)
-                        helper.record(free[b])
-                    else:
-                        helper.wait_event(free[b])
-                        self._dma(batch, helper, src, dst, sizes, store)
-                        helper.record(ready[b])
-                        stream.wait_event(ready[b])
-                        if jobs[k].total_units:
-                            self.kernels.launch_table(stream.owner, entry.rows_addr,
-                                                      entry.frags_addr, entry.packed, job_addr,
-                                                      jobs[k], grid)
-                        stream.record(free[b])
-                    keep.append((src, dst, sizes))
-                if store and last_edge:
+            nbuf = len(ring.ptrs)
+            first = ring.next
+            order = [(first + k) % nbuf for k in range(len(program.slabs))]
+            entries = {b: self.tables.entry(
+                staging_table(plan.table, program.rows, store, ring.ptrs[b],
+                              program.rows_per_slab),
+                stream, keep) for b in dict.fromkeys(order)}
+            jobs = [pack_job(slab.segments, entries[b].packed.pieces, None, entries[b].pieces)
+                    for b, slab in zip(order, program.slabs)]
+            offsets = [0]
+            for job in jobs:
+                offsets.append(offsets[-1] + len(job.words))
+            total = offsets[-1]
+            nfetch = -(-total * 8 // FETCH_BYTES) if store else 0  # `_fetch` descriptors
+            st = self.staging.take(total + 3 * nfetch)
+            keep.append(st)
+            for job, off in zip(jobs, offsets):
+                st.words[off : off + len(job.words)] = job.words
+            if store:
+                self._fetch(stream, st, total, nfetch)
+            else:
+                if first_edge:
+                    fork = create_event(self.device_id, timing=False)
+                    stream.record(fork)
+                    helper.wait_event(fork)
+                    keep.append(fork)
                     if overlap is not None:
-                        stream.wait_event(overlap.after)
-                    stream.wait_event(free[last])
-                if mark is not None:
-                    (helper if store else stream).record(mark)
-            finally:
-                if lent is not None:
-                    lent.lock.release()
+                        helper.record(overlap.start)
+                        stream.wait_event(overlap.after)  # before the first unpack
+                # on the helper, ahead of this piece's row copies, which every unpack
+                # waits for anyway: no kernel (SMs) stands before the first row copy
+                cupy().cuda.runtime.memcpyAsync(st.dev_ptr, st.host_ptr, total * 8, _H2D,
+                                                helper.ptr)
+            last = first
+            ring.next = (first + len(program.slabs)) % nbuf
+            for k, (b, slab) in enumerate(zip(order, program.slabs)):
+                last = b
+                entry = entries[b]
+                job_addr = st.dev_ptr + offsets[k] * 8
+                src, dst, sizes = slab_descriptors(program, slab, ring.ptrs[b])
+                if store:
+                    stream.wait_event(ring.free[b])
+                    if jobs[k].total_units:
+                        self.kernels.launch_table(stream.owner, entry.rows_addr,
+                                                  entry.frags_addr, entry.packed, job_addr,
+                                                  jobs[k], grid)
+                    stream.record(ring.ready[b])
+                    helper.wait_event(ring.ready[b])
+                    if k == 0 and first_edge and overlap is not None:
+                        helper.record(overlap.start)
+                    self._dma(batch, helper, src, dst, sizes, store)
+                    helper.record(ring.free[b])
+                else:
+                    helper.wait_event(ring.free[b])
+                    self._dma(batch, helper, src, dst, sizes, store)
+                    helper.record(ring.ready[b])
+                    stream.wait_event(ring.ready[b])
+                    if jobs[k].total_units:
+                        self.kernels.launch_table(stream.owner, entry.rows_addr,
+                                                  entry.frags_addr, entry.packed, job_addr,
+                                                  jobs[k], grid)
+                    stream.record(ring.free[b])
+                keep.append((src, dst, sizes))
+            if store and last_edge:
+                if overlap is not None:
+                    stream.wait_event(overlap.after)
+                stream.wait_event(ring.free[last])
+            if mark is not None:
+                (helper if store else stream).record(mark)
 
     def _fetch(self, stream: CudaStream, st: _Staging, total: int, nfetch: int) -> None:
         """Copy the `total` job words from the pinned buffer to its device twin on `stream`
