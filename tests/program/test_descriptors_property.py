@@ -97,6 +97,20 @@ def oracle_refs(s: dict) -> list[list[Ref]]:  # type: ignore[type-arg]
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+def _piece_oracle(total: int, most: int, first: int | None, growth: int) -> list[int]:
+    """Slots per piece: `first` (default `most`), then `growth` times the last, at most
+    `most`, the rest last; a plan no bigger than its first piece stays whole."""
+    size = min(first, most) if first else most
+    if total <= size:
+        return [total]
+    out: list[int] = []
+    while total > 0:
+        out.append(min(size, total))
+        total -= out[-1]
+        size = min(growth * size, most)
+    return out
+
 @given(scenario())
 def test_plan_matches_oracle(s: dict) -> None:  # type: ignore[type-arg]
     n_t = len(s["pages"])
@@ -151,6 +165,14 @@ def test_plan_matches_oracle(s: dict) -> None:  # type: ignore[type-arg]
     if len(ramp) > 1:
         assert slots[0] == 1 and all(n <= k for n in slots)
         assert all(b <= 4 * a for a, b in zip(slots, slots[1:]))
+    # every schedule (first piece, growth) cuts exactly the oracle's slot counts
+    total = sum(len(sg.src_slots) for sg in plan.segments)
+    for growth in (1, 2, 3, 4):
+        for first in (None, 1, 2):
+            cut = plan.pieces(k, first, growth)
+            assert [sum(len(sg.src_slots) for sg in p.segments) for p in cut] == (
+                _piece_oracle(total, k, first, growth))
+            assert sum(p.nbytes for p in cut) == plan.nbytes
     # a layer-wise split: each layer copies exactly the descriptors of its tensors
     split = split_plan(plan, s["layers"])
     assert len(split) == len(s["layers"])
