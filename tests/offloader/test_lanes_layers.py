@@ -78,7 +78,8 @@ def small_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
 
     for name, value in (("PIECE_BYTES", 4 << 20), ("KERNEL_PIECE_BYTES", 4 << 20),
                         ("FIRST_PIECE_BYTES", 2 << 20),
-                        ("STAGED_FIRST_PIECE_BYTES", 2 << 20), ("STAGED_GROWTH", 4), ("MIN_PIECE_SLOTS", 1),
+                        ("STAGED_FIRST_PIECE_BYTES", 2 << 20), ("STAGED_GROWTH", 4),
+                        ("MIN_PIECE_SLOTS", 1),
                         ("MIN_FIRST_SLOTS", 1), ("STAGED_WHOLE_BYTES", 2 << 20)):
         monkeypatch.setattr(DirectionQueue, name, value)
 

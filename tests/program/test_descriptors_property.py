@@ -96,8 +96,6 @@ def oracle_refs(s: dict) -> list[list[Ref]]:  # type: ignore[type-arg]
     ]
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-
 def _piece_oracle(total: int, most: int, first: int | None, growth: int) -> list[int]:
     """Slots per piece: `first` (default `most`), then `growth` times the last, at most
     `most`, the rest last; a plan no bigger than its first piece stays whole."""
@@ -111,6 +109,8 @@ def _piece_oracle(total: int, most: int, first: int | None, growth: int) -> list
         size = min(growth * size, most)
     return out
 
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenario())
 def test_plan_matches_oracle(s: dict) -> None:  # type: ignore[type-arg]
     n_t = len(s["pages"])

@@ -20,7 +20,8 @@ PAGE, BLOCKS, TENSORS = 4096, 64, 2  # 512 KiB per transfer of every block
 def small_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
     for name, value in (("PIECE_BYTES", 64 << 10), ("KERNEL_PIECE_BYTES", 64 << 10),
                         ("FIRST_PIECE_BYTES", 16 << 10),
-                        ("STAGED_FIRST_PIECE_BYTES", 16 << 10), ("STAGED_GROWTH", 4), ("MIN_PIECE_SLOTS", 1),
+                        ("STAGED_FIRST_PIECE_BYTES", 16 << 10), ("STAGED_GROWTH", 4),
+                        ("MIN_PIECE_SLOTS", 1),
                         ("MIN_FIRST_SLOTS", 1), ("DEFER_MIN_BYTES", 1 << 62),
                         ("STAGED_WHOLE_BYTES", 16 << 10)):
         monkeypatch.setattr(LaneLaunch, name, value)
