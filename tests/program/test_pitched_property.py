@@ -84,7 +84,10 @@ def test_pitched_program_matches_oracle(s: dict, data: st.DataObject) -> None:  
     _check(s, data, False)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# the `assume` keeps only non-canonical scenarios with a group of several refs: some seeds
+# draw 50 rejects before 10 keepers, which the filter health check failed on (a flaky CI)
+@settings(max_examples=150, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 @given(scenario(), st.data())
 def test_pitched_program_of_one_pool_matches_oracle(s: dict, data: st.DataObject) -> None:  # type: ignore[type-arg]
     """Evenly spaced tensors in row order: copies of several lines, pitches on both sides."""
