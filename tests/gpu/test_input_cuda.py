@@ -1,5 +1,6 @@
-"""Input checks on the GPU: freed or moved CUDA tensors are refused at submit (through torch's
-batched pointer check where the build has it), vLLM layouts and refs at an offset copy
+"""Input checks on the GPU: freed, moved or resized CUDA tensors are refused at submit (through
+torch's batched pointer check where the build has it, and one gather of the storages' byte
+counts), vLLM layouts and refs at an offset copy
 exactly on every copy path."""
 
 from __future__ import annotations
@@ -53,6 +54,25 @@ def test_batched_pointer_check_answers_both_ways() -> None:
     xs[37].set_(torch.zeros(1, dtype=torch.uint8, device="cuda"))
     with pytest.raises(kv.InvalidTransferError, match="KV tensor 37 moved"):
         layout._guard.check()
+
+
+def test_cuda_storage_resized_at_its_old_address_is_refused() -> None:
+    """The caching allocator hands a storage resized to 0 and back to a smaller size its old
+    block: the pointers match, only the byte count (read in one gather) tells."""
+    torch = _torch()
+    xs = [torch.zeros((8, 1 << 16), dtype=torch.uint8, device="cuda") for _ in range(4)]
+    with kv.Offloader(kv.KVCacheLayout.from_tensors(xs), 8, backend="cuda") as off:
+        guard = off.layout._guard
+        assert guard._sizes_equal != guard._sizes_equal_py  # the one-gather reader is in use
+        assert off.store(gpu_blocks=[0, 1], cpu_chunks=[0, 1]).wait(30).success
+        s = xs[2].untyped_storage()
+        ptr = s.data_ptr()
+        s.resize_(0)
+        s.resize_((8 << 16) - 4096)
+        assert s.data_ptr() == ptr, "the allocator moved it: the case is not exercised"
+        with pytest.raises(kv.InvalidTransferError, match="KV tensor 2: its storage was freed"):
+            off.load(cpu_chunks=[0], gpu_blocks=[0])
+        assert off._resources()["inflight"] == 0
 
 
 @pytest.mark.parametrize("path", PATHS)
