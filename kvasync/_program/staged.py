@@ -82,6 +82,9 @@ class StagedProgram:
 #: overhead was most of a small store()'s host cost (a 10-block, two-group request took
 #: ~0.5 ms through the NumPy path)
 _SMALL = 64
+#: ...except one ref set of one block per chunk, which NumPy builds in ~40-50 us at any
+#: size up to 64 slots, where Python costs ~1.5-2.5 us a slot (64 x 64 tensors: 110-160 us)
+_SMALL_FLAT = 16
 
 
 def _build_consecutive(plan: TransferPlan, seg: Segment, rows: RowSide, rps: int,
@@ -144,11 +147,17 @@ def _build_python(plan: TransferPlan, segs: list[Segment], rows: RowSide, rps: i
             kbytes[k] += len(ga) * per_block
             kcount[k] += len(ga) * per_frags
     runs: list[list[tuple[int, int, int]]] = [[] for _ in range(nslabs)]
+    # one pattern per (ref set, mask), not per chunk: the table's cache keys on the refs'
+    # bytes (~1 us a lookup at 128 tensors), most of this builder's cost per chunk
+    pats: dict[tuple[bytes, int], list[tuple[int, int]]] = {}
     for (r, key), mask in masks.items():
-        pst, psz = coverage_pattern(table, rows, refs_of[key], mask, gpu_to_cpu)
+        pat = pats.get((key, mask))
+        if pat is None:
+            pst, psz = coverage_pattern(table, rows, refs_of[key], mask, gpu_to_cpu)
+            pat = pats[(key, mask)] = list(zip(pst.tolist(), psz.tolist()))
         srow = (r % rps) * rows.span
         hrow = rows.base + uniq[r] * rows.row_stride
-        runs[r // rps].extend((hrow + a, srow + a, z) for a, z in zip(pst.tolist(), psz.tolist()))
+        runs[r // rps].extend((hrow + a, srow + a, z) for a, z in pat)
     slabs: list[Slab] = []
     for k in range(nslabs):
         merged: list[list[int]] = []
@@ -198,12 +207,15 @@ def build_staged(plan: TransferPlan, gpu_to_cpu: bool, slab_bytes: int) -> Stage
     segs = [s for s in plan.segments if len(s.src_slots)]
     if not segs:
         return StagedProgram((), rows, rps, gpu_to_cpu)
-    if sum(len(s.src_slots) for s in segs) <= _SMALL:
-        if len(segs) == 1 and rows.factor == 1 and len(segs[0].src_slots) <= rps:
+    slots = sum(len(s.src_slots) for s in segs)
+    if slots <= _SMALL:
+        flat = len(segs) == 1 and rows.factor == 1
+        if flat and len(segs[0].src_slots) <= rps:
             whole = _build_consecutive(plan, segs[0], rows, rps, gpu_to_cpu)
             if whole is not None:
                 return whole
-        return _build_python(plan, segs, rows, rps, gpu_to_cpu)
+        if not flat or slots <= _SMALL_FLAT:
+            return _build_python(plan, segs, rows, rps, gpu_to_cpu)
     bpc = rows.factor
     host = [s.dst_slots if gpu_to_cpu else s.src_slots for s in segs]
     allh = np.concatenate(host) if len(host) > 1 else host[0]

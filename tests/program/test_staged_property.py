@@ -12,6 +12,8 @@ from test_descriptors_property import BIG, oracle_refs, scenario
 from kvasync._layout import KVCacheLayout, KVRef, KVTensor
 from kvasync._program import (
     SideGeometry,
+    StagedProgram,
+    TransferPlan,
     build_plan,
     build_ref_table,
     build_staged,
@@ -143,6 +145,21 @@ def test_full_consecutive_chunks_are_one_run() -> None:
                     (base5 + 128, 32)]
 
 
+def _python_and_numpy(plan: TransferPlan, store: bool, slab: int
+                      ) -> tuple[StagedProgram | None, StagedProgram | None]:
+    """The program of `plan` built in plain Python (every small request) and by NumPy."""
+    import kvasync._program.staged as staged_mod
+
+    saved = staged_mod._SMALL, staged_mod._SMALL_FLAT
+    try:
+        staged_mod._SMALL_FLAT = staged_mod._SMALL
+        python = build_staged(plan, store, slab)
+        staged_mod._SMALL = -1
+        return python, build_staged(plan, store, slab)
+    finally:
+        staged_mod._SMALL, staged_mod._SMALL_FLAT = saved
+
+
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(1, 5), st.integers(1, 24), st.booleans(), st.data())
 def test_small_request_fast_path_matches_the_general_path(
@@ -150,8 +167,6 @@ def test_small_request_fast_path_matches_the_general_path(
 ) -> None:
     """One group, one block per chunk, few ids: the plain-Python staging (including the
     one-run path for consecutive whole rows) gives the general path's bytes."""
-    import kvasync._program.staged as staged_mod
-
     tensors = [KVTensor(np.zeros((16, page), np.uint8)) for _ in range(n_t)]
     layout = KVCacheLayout(tensors)
     gap = data.draw(st.integers(0, 2))
@@ -171,13 +186,7 @@ def test_small_request_fast_path_matches_the_general_path(
     blocks = data.draw(st.lists(st.integers(0, 15), min_size=k, max_size=k, unique=not store))
     plan = build_plan(table, blocks, chunks, None, None, store, 16)
     slab = data.draw(st.integers(1, 20)) * row
-    fast = build_staged(plan, store, slab)
-    saved = staged_mod._SMALL
-    staged_mod._SMALL = -1
-    try:
-        slow = build_staged(plan, store, slab)
-    finally:
-        staged_mod._SMALL = saved
+    fast, slow = _python_and_numpy(plan, store, slab)
     assert fast is not None and slow is not None
     assert _compose(table, fast, store) == _compose(table, slow, store)
 
@@ -187,19 +196,11 @@ def test_small_request_fast_path_matches_the_general_path(
 def test_plain_python_staging_matches_the_numpy_path(s: dict, data: st.DataObject) -> None:  # type: ignore[type-arg]
     """Any small request (groups, skips, bpc 1-4, canonical rotation, several slabs): the
     plain-Python program moves exactly the NumPy path's bytes."""
-    import kvasync._program.staged as staged_mod
-
     table, expected, row = _setup(s, data)
     plan = build_plan(table, s["gpu"], s["cpu"], s["gsizes"], s["bidx"], s["store"],
                       s["num_chunks"])
     slab = data.draw(st.integers(1, 4)) * max(row, 1)
-    fast = build_staged(plan, s["store"], slab)
-    saved = staged_mod._SMALL
-    staged_mod._SMALL = -1
-    try:
-        slow = build_staged(plan, s["store"], slab)
-    finally:
-        staged_mod._SMALL = saved
+    fast, slow = _python_and_numpy(plan, s["store"], slab)
     assert fast is not None and slow is not None
     assert len(fast.slabs) == len(slow.slabs)
     assert _compose(table, fast, s["store"]) == _compose(table, slow, s["store"]) == byte_map(
