@@ -232,25 +232,33 @@ def _size_field(torch: Any) -> int | None:
 
 def _raw_sizes(torch: Any, storages: list[Any], sizes: list[int]) -> Callable[[], bool] | None:
     """Every storage's byte count compared in one NumPy gather from the StorageImpls (the
-    guard holds the storages, so they stay allocated), or None where the field cannot be
+    reader holds the storages, so they stay allocated), or None where the field cannot be
     found or does not read right now.
 
-    Why: after the pointer check has read each StorageImpl, the gather added nothing
-    measurable where 128 ``nbytes()`` calls added ~30 us (a lent H100 host, each check
-    after a 2 ms sleep, as a `store()` after a wait runs it)."""
+    Why: after 128 pointers read one by one (which reads each StorageImpl), the gather
+    added nothing measurable where 128 ``nbytes()`` calls added ~30 us (a lent H100 host,
+    each check after a 2 ms sleep, as a `store()` after a wait runs it)."""
     field = _size_field(torch)
     if field is None or not storages:
         return None
-    addrs = np.array([int(s._cdata) + field for s in storages], dtype=np.int64)
-    lo = int(addrs.min())
-    if (addrs % 8).any():
+    held = tuple(storages)
+    try:
+        addrs = np.array([int(s._cdata) + field for s in held], dtype=np.int64)
+        lo = int(addrs.min())
+        if (addrs % 8).any():
+            return None
+        words = np.asarray(_Words(lo, (int(addrs.max()) - lo) // 8 + 1))
+        idx = (addrs - lo) // 8
+        want = np.array(sizes, dtype=np.int64).tobytes()
+        if words.take(idx).tobytes() != want:
+            return None
+    except Exception:  # an address NumPy cannot take: the nbytes() calls instead
         return None
-    words = np.asarray(_Words(lo, (int(addrs.max()) - lo) // 8 + 1))
-    idx = (addrs - lo) // 8
-    want = np.array(sizes, dtype=np.int64).tobytes()
-    if words.take(idx).tobytes() != want:
-        return None
-    return lambda: bool(words.take(idx).tobytes() == want)
+
+    def same(held: tuple[Any, ...] = held) -> bool:  # holds what it reads, whoever lets go
+        return bool(words.take(idx).tobytes() == want)
+
+    return same
 
 
 _REBUILD = "Build a new KVCacheLayout and Offloader over the tensors as they are now."

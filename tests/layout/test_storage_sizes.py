@@ -52,6 +52,7 @@ def test_resized_in_place_is_refused() -> None:
         s = y.untyped_storage()
         s.resize_(0)
         s.resize_(512)  # often at the old address: the pointers alone look unchanged
+        assert off.layout._guard._sizes_equal() is False  # the gather itself sees it
         with pytest.raises(kv.InvalidTransferError, match="KV tensor 1: its storage was freed"):
             off.store(gpu_blocks=[0], cpu_chunks=[0])
         with pytest.raises(kv.InvalidTransferError, match="KV tensor 1: its storage was freed"):
@@ -66,5 +67,6 @@ def test_guard_without_the_field_still_checks(monkeypatch: pytest.MonkeyPatch) -
     assert g._sizes_equal == g._sizes_equal_py
     g.check()
     x.untyped_storage().resize_(100)
+    assert g._sizes_equal() is False  # the calls themselves see it, not the pointer check
     with pytest.raises(kv.InvalidTransferError, match="freed or resized"):
         g.check()
