@@ -117,29 +117,31 @@ class TransferPlan:
         table = self.table
         out: list[TransferPlan] = []
         cur: list[Segment] = []
+        nbytes = count = 0
         size = max(1, min(first, max_slots)) if first else max_slots
         room = size
         for seg in self.segments:
+            # bytes and fragments per slot once per segment, not per piece: the lane splits
+            # a big transfer before its first copy, and each NumPy sum costs a few us
+            per_block = int(table.bytes_per_block[seg.refs].sum())
+            per_frags = int(table.frag_count[seg.refs].sum())
             n = len(seg.src_slots)
             pos = 0
             while pos < n:
                 take = min(room, n - pos)
                 cur.append(Segment(seg.refs, seg.src_slots[pos : pos + take],
                                    seg.dst_slots[pos : pos + take]))
+                nbytes += take * per_block
+                count += take * per_frags
                 pos += take
                 room -= take
                 if room == 0:
-                    out.append(self._piece(table, cur))
+                    out.append(TransferPlan(table, cur, nbytes, count, keepalive=self.keepalive))
                     size = min(max(growth, 1) * size, max_slots)
-                    cur, room = [], size
+                    cur, room, nbytes, count = [], size, 0, 0
         if cur:
-            out.append(self._piece(table, cur))
+            out.append(TransferPlan(table, cur, nbytes, count, keepalive=self.keepalive))
         return out
-
-    def _piece(self, table: RefTable, segs: list[Segment]) -> TransferPlan:
-        nbytes = sum(len(s.src_slots) * int(table.bytes_per_block[s.refs].sum()) for s in segs)
-        count = sum(len(s.src_slots) * int(table.frag_count[s.refs].sum()) for s in segs)
-        return TransferPlan(table, segs, nbytes, count, keepalive=self.keepalive)
 
 
 def _slot_ptrs(

@@ -154,6 +154,8 @@ def test_plan_matches_oracle(s: dict) -> None:  # type: ignore[type-arg]
     k = max(1, len(s["gpu"]) // 3)
     parts = plan.pieces(k)
     assert sum(p.nbytes for p in parts) == plan.nbytes
+    assert [p.nbytes for p in parts] == [int(p.flat()[2].sum()) for p in parts]
+    assert [p.num_descriptors for p in parts] == [len(p.flat()[2]) for p in parts]
     assert sorted(d for p in parts for d in zip(*(a.tolist() for a in p.flat()))) == sorted(got)
     assert all(p.keepalive is plan.keepalive for p in parts)
     # a ramp (small first piece, 4x growth) covers the same descriptors, slots in order
