@@ -82,8 +82,9 @@ class StagedProgram:
 #: overhead was most of a small store()'s host cost (a 10-block, two-group request took
 #: ~0.5 ms through the NumPy path)
 _SMALL = 64
-#: ...except one ref set of one block per chunk, which NumPy builds in ~40-50 us at any
-#: size up to 64 slots, where Python costs ~1.5-2.5 us a slot (64 x 64 tensors: 110-160 us)
+#: ...except one segment (one group) of one block per chunk, which NumPy builds in ~40-50 us
+#: at any size up to 64 slots, where Python costs ~1.5-2.5 us a slot (64 x 64 tensors:
+#: 110-160 us); several segments or sub-blocks take NumPy's slower mask path (106-134 us)
 _SMALL_FLAT = 16
 
 
