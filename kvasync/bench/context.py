@@ -8,7 +8,10 @@ or reads kvasync state that is not public API; sections use `kvasync.Offloader`'
   (12 CTAs for small loads) and restored after;
 - ``backend.calibration()`` (CUDA): what ``auto`` measured at start-up, kept in the metadata;
 - ``backend.alloc_host``: host memory of the kind kvasync copies from, for the ceilings
-  (measured in `ceilings.py`).
+  (measured in `ceilings.py`);
+- ``backend._batch`` (CUDA): the staged path's batch row copy, and ``cpu_tensors``'
+  addresses, the host rows that `rows.py` moves with it bare, the bound under the staged
+  path.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import kvasync as kv
 
 from .ceilings import Ceilings, sync_round_trips
 from .common import GiB, MiB, Options, fmt_size
+from .rows import RowCopy, bare_row_seconds, host_rows
 
 __all__ = ["BenchUnavailable", "Context", "Ran", "Timing", "cuda_unavailable_reason", "submit"]
 
@@ -253,6 +257,21 @@ class Context:
         return Timing(samples, moved, statistics.median(device), ran.text,
                       statistics.median(calls))
 
+    def bare_rows(self, off: kv.Offloader, cpu: Any, direction: str, stream_ptr: int,
+                  hold: Callable[[], None]) -> list[float] | None:
+        """Event seconds of the copy engines alone on the host rows of `off`'s `cpu`
+        chunks, to and from the device pool, each rep behind `hold()` on the stream at
+        `stream_ptr` (`rows.bare_row_seconds`); None off the GPU or where a row is not one
+        contiguous run."""
+        found = host_rows(off.cpu_tensors, cpu) if self.gpu else None
+        if found is None or len(found[0]) * found[1] > self.pool_bytes:
+            return None
+        addrs, row = found
+        return bare_row_seconds(self.cp, addrs, row, self._ptr(self.pool), direction,
+                                stream_ptr, hold, self.reps,
+                                row_copier(self.cp, getattr(off.backend, "_batch", None),
+                                           int(self.cp.cuda.Device().id)))
+
     @contextmanager
     def grid(self, off: kv.Offloader, ctas: int | None) -> Iterator[None]:
         """Run the block with the copy kernels at `ctas` CTAs (no-op for None or a backend
@@ -349,3 +368,25 @@ def _path_counts(off: kv.Offloader) -> dict[str, int] | None:
     if not isinstance(counts, dict):
         return None
     return {p: int(counts.get(p, 0)) for p in off.backend.paths if p != "auto"}
+
+
+
+#: cuMemcpyBatchAsync source access orders (CUmemcpySrcAccessOrder), as the staged path asks
+_ORDER_STREAM, _ORDER_ANY = 1, 3
+
+
+def row_copier(cp: Any, batch: Any, device_id: int) -> RowCopy:
+    """Row copies as the staged path makes them: `batch` (the CUDA backend's
+    `cuMemcpyBatchAsync` caller) with its access order and location hints, or one
+    `cudaMemcpyAsync` per row where the driver lacks the batch call (`batch` None)."""
+
+    def copy(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, stream: int,
+             store: bool) -> None:
+        if batch is None:
+            for s, d, n in zip(src.tolist(), dst.tolist(), sizes.tolist()):
+                cp.cuda.runtime.memcpyAsync(d, s, n, 4, stream)  # 4: cudaMemcpyDefault
+            return
+        ends = (device_id, -1) if store else (-1, device_id)
+        batch(src, dst, sizes, stream, _ORDER_STREAM if store else _ORDER_ANY, *ends)
+
+    return copy

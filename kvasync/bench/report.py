@@ -249,6 +249,11 @@ def summary(run: Run) -> list[list[str]]:
             add(f"auto alone >= {c.ALONE_MIN:.2f} of the ceiling, {d}",
                 ", ".join(f"{fmt_size(p)} {r.ratio:.2f}" for p, r in have),
                 all((r.ratio or 0) >= c.ALONE_MIN for _, r in have))
+        bare = [(p, _find(rows, "pipeline", "ref-rows", d, p)) for p in c.ALONE_PAGES]
+        bound = [(p, r) for p, r in bare if r is not None and r.ratio is not None]
+        if bound:  # what the copy engines do with the same rows, nothing else in the way
+            add(f"(bound) copy engines alone on those host rows, event time, {d}",
+                ", ".join(f"{fmt_size(p)} {r.ratio:.2f}" for p, r in bound), None)
     for page in c.INTERFERENCE_PAGES:
         for d in c.DIRECTIONS:
             r = _find(rows, "interference", "auto", d, page)

@@ -41,6 +41,8 @@ def gpu_run() -> Run:
         rows.append(Row("pipeline", "staged", "h2d", 4 * KiB, ratio, ratio * 55, 55.0,
                         {"wall_ratio": 0.853} if mode == "as-run" else {},
                         extra={"mode": mode, "ran": "staged"}))
+    rows.append(Row("pipeline", "ref-rows", "h2d", 4 * KiB, 0.972, 53.5, 55.0,
+                    extra={"mode": "held", "ran": "rows"}))
     rows.append(Row("interference", "matmul-alone", values={"tflops": 640.0}))
     for d, (mm, link) in (("h2d", (0.99, 0.90)), ("d2h", (0.44, 0.90))):
         for page in (4 * KiB, 16 * KiB):
@@ -92,6 +94,10 @@ def test_targets_are_judged_from_the_rows() -> None:
         "4 KiB 0.98, 16 KiB 0.98, 64 KiB 0.98, 256 KiB 0.98, 2 MiB 0.98", "yes")
     assert v["auto alone >= 0.97 of the ceiling, d2h"][0].startswith("4 KiB 0.84, 16 KiB 0.98")
     assert v["auto alone >= 0.97 of the ceiling, d2h"][1] == "NO"
+    # the copy engines' own rate on the same rows is shown under the target, not judged
+    assert v["(bound) copy engines alone on those host rows, event time, h2d"] == (
+        "4 KiB 0.97", "-")
+    assert not any(t.endswith("event time, d2h") for t in v)  # no such row in this run
     mm = "beside a matmul, auto keeps >= 97% of it at >= 85% of the link"
     assert v[f"{mm}, 4 KiB h2d"] == ("matmul 99%, link 90%", "yes")
     assert v[f"{mm}, 16 KiB d2h"] == ("matmul 44%, link 90%", "NO")
@@ -120,6 +126,7 @@ def test_render_shows_every_section_and_path(tmp_path: Path) -> None:
         assert f"== {name} ==" in text
     # one line per (direction, page, path): wall and event time as run, event time held
     assert re.search(r"^h2d +4 KiB +staged +staged +0\.853 +0\.898 +0\.955$", text, re.M)
+    assert re.search(r"^h2d +4 KiB +ref-rows +rows +- +- +0\.972$", text, re.M)
     header = next(line for line in text.splitlines() if line.startswith("dir  page"))
     assert header.split()[2:6] == ["auto", "kernel", "dma", "staged"]
     assert re.search(r"^d2h +4 KiB +46\.2 \(0\.84\) +46\.0 \(0\.84\)", text, re.M)
@@ -132,7 +139,9 @@ def test_host_runs_are_labelled_and_not_judged() -> None:
     run.meta["backend"] = "host"
     text = render(run)
     assert HOST_LABEL in text
-    assert {ok for _, _, ok in summary(run)} == {"n/a"}
+    verdict = {t: ok for t, _, ok in summary(run)}
+    assert {ok for t, ok in verdict.items() if not t.startswith("(bound)")} == {"n/a"}
+    assert {ok for t, ok in verdict.items() if t.startswith("(bound)")} == {"-"}
 
 
 def test_from_json_writes_text_and_plots(tmp_path: Path,

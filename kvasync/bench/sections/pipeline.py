@@ -8,6 +8,10 @@ transfer's event time (`TransferResult.seconds`, from its start event after the 
 wait) is the device pipeline alone. A row's `ratio` is over event time. Row ``mode``
 "as-run" is a plain transfer, with its wall-time ratio in ``wall_ratio``; "held" is the
 transfer enqueued ahead. The gap between the two is what the host's enqueue costs.
+
+Path ``ref-rows`` (mode "held") moves the same transfer's host rows by bare copy-engine DMA
+to or from one contiguous device buffer (`rows.py`): no pack, no program, no slab events.
+It is the copy engines' own rate on these rows, the bound under the staged path.
 """
 
 from __future__ import annotations
@@ -54,7 +58,36 @@ def run(ctx: Context) -> list[Row]:
                         samples=[round(s, 6) for s in devs],
                         note=f"{mode}, ran {ran.text}",
                         extra={"mode": mode, "ran": ran.text}))
+            rows.extend(_bare_rows(ctx, off, cpu, direction, page, ceil, hold))
     return rows
+
+
+def _bare_rows(ctx: Context, off: Any, cpu: Any, direction: str, page: int, ceil: float,
+               hold: Any) -> list[Row]:
+    """The ``ref-rows`` row: the same transfer's host rows moved by the copy engines alone
+    (`rows.py`), enqueued behind the spin like a held transfer; none where the layout's
+    rows are not contiguous."""
+    torch = ctx.torch
+
+    def spin() -> None:
+        with torch.cuda.stream(hold):
+            torch.cuda._sleep(HOLD_CYCLES)
+
+    ctx.progress(f"{fmt_size(page)} {direction} bare rows")
+    torch.cuda.synchronize()
+    devs = ctx.bare_rows(off, cpu, direction, hold.cuda_stream, spin)
+    if not devs:
+        return []
+    nbytes = off.cpu_tensors[0].shape[1] * len(off.cpu_tensors) * len(cpu)
+    dev = statistics.median(devs)
+    gbps = nbytes / dev / 1e9
+    return [Row("pipeline", "ref-rows", direction, page, ratio=round(gbps / ceil, 3),
+                gbps=round(gbps, 2), ceiling_gbps=round(ceil, 2),
+                values={"device_seconds": round(dev, 6), "bytes": float(nbytes)},
+                samples=[round(s, 6) for s in devs],
+                note="held, the transfer's host rows by bare copy-engine DMA (no pack, no "
+                     "program)",
+                extra={"mode": "held", "ran": "rows"})]
 
 
 def _timed(ctx: Context, torch: Any, off: Any, direction: str, gpu: Any, cpu: Any,
