@@ -34,7 +34,8 @@ from .ceilings import Ceilings, sync_round_trips
 from .common import GiB, MiB, Options, fmt_size
 from .rows import RowCopy, bare_row_seconds, host_rows
 
-__all__ = ["BenchUnavailable", "Context", "Ran", "Timing", "cuda_unavailable_reason", "submit"]
+__all__ = ["BenchUnavailable", "Context", "Ran", "Timing", "bare_rows", "cuda_unavailable_reason",
+           "submit"]
 
 #: vLLM's shipped policy: loads below this page size run its Triton kernel with 12 programs,
 #: everything else batched DMA (re-created with kvasync's own kernel and DMA paths)
@@ -257,21 +258,6 @@ class Context:
         return Timing(samples, moved, statistics.median(device), ran.text,
                       statistics.median(calls))
 
-    def bare_rows(self, off: kv.Offloader, cpu: Any, direction: str, stream_ptr: int,
-                  hold: Callable[[], None]) -> list[float] | None:
-        """Event seconds of the copy engines alone on the host rows of `off`'s `cpu`
-        chunks, to and from the device pool, each rep behind `hold()` on the stream at
-        `stream_ptr` (`rows.bare_row_seconds`); None off the GPU or where a row is not one
-        contiguous run."""
-        found = host_rows(off.cpu_tensors, cpu) if self.gpu else None
-        if found is None or len(found[0]) * found[1] > self.pool_bytes:
-            return None
-        addrs, row = found
-        return bare_row_seconds(self.cp, addrs, row, self._ptr(self.pool), direction,
-                                stream_ptr, hold, self.reps,
-                                row_copier(self.cp, getattr(off.backend, "_batch", None),
-                                           int(self.cp.cuda.Device().id)))
-
     @contextmanager
     def grid(self, off: kv.Offloader, ctas: int | None) -> Iterator[None]:
         """Run the block with the copy kernels at `ctas` CTAs (no-op for None or a backend
@@ -369,6 +355,22 @@ def _path_counts(off: kv.Offloader) -> dict[str, int] | None:
         return None
     return {p: int(counts.get(p, 0)) for p in off.backend.paths if p != "auto"}
 
+
+
+def bare_rows(ctx: Context, off: kv.Offloader, cpu: Any, direction: str, stream_ptr: int,
+              hold: Callable[[], None]) -> list[float] | None:
+    """Event seconds of the copy engines alone on the host rows of `off`'s `cpu` chunks, to
+    and from `ctx`'s device pool, each rep behind `hold()` on the stream at `stream_ptr`
+    (`rows.bare_row_seconds`, with the staged path's own batch call); None off the GPU or
+    where a row is not one contiguous run."""
+    found = host_rows(off.cpu_tensors, cpu) if ctx.gpu else None
+    if found is None or len(found[0]) * found[1] > ctx.pool_bytes:
+        return None
+    addrs, row = found
+    device = int(ctx.cp.cuda.Device().id)
+    copy = row_copier(ctx.cp, getattr(off.backend, "_batch", None), device)
+    return bare_row_seconds(ctx.cp, addrs, row, ctx._ptr(ctx.pool), direction, stream_ptr,
+                            hold, ctx.reps, copy)
 
 
 #: cuMemcpyBatchAsync source access orders (CUmemcpySrcAccessOrder), as the staged path asks

@@ -21,7 +21,7 @@ import time
 from typing import Any
 
 from ..common import KiB, Row, Section, fmt_size
-from ..context import WAIT_S, Context, submit
+from ..context import WAIT_S, Context, bare_rows, submit
 
 PAGES = (4 * KiB, 16 * KiB, 64 * KiB)
 #: GPU clock cycles the compute stream spins before a held transfer (~0.1 s at 2 GHz), far
@@ -75,7 +75,7 @@ def _bare_rows(ctx: Context, off: Any, cpu: Any, direction: str, page: int, ceil
 
     ctx.progress(f"{fmt_size(page)} {direction} bare rows")
     torch.cuda.synchronize()
-    devs = ctx.bare_rows(off, cpu, direction, hold.cuda_stream, spin)
+    devs = bare_rows(ctx, off, cpu, direction, hold.cuda_stream, spin)
     if not devs:
         return []
     nbytes = off.cpu_tensors[0].shape[1] * len(off.cpu_tensors) * len(cpu)
