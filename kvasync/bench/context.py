@@ -32,7 +32,7 @@ import kvasync as kv
 
 from .ceilings import Ceilings, sync_round_trips
 from .common import GiB, MiB, Options, fmt_size
-from .rows import RowCopy, bare_row_seconds, host_rows
+from .rows import bare_row_seconds, host_rows, row_copier, row_runs
 
 __all__ = ["BenchUnavailable", "Context", "Ran", "Timing", "bare_rows", "cuda_unavailable_reason",
            "submit"]
@@ -356,39 +356,19 @@ def _path_counts(off: kv.Offloader) -> dict[str, int] | None:
     return {p: int(counts.get(p, 0)) for p in off.backend.paths if p != "auto"}
 
 
-
 def bare_rows(ctx: Context, off: kv.Offloader, cpu: Any, direction: str, stream_ptr: int,
               hold: Callable[[], None]) -> list[float] | None:
-    """Event seconds of the copy engines alone on the host rows of `off`'s `cpu` chunks, to
-    and from `ctx`'s device pool, each rep behind `hold()` on the stream at `stream_ptr`
-    (`rows.bare_row_seconds`, with the staged path's own batch call); None off the GPU or
+    """Event seconds of the copy engines alone on the host rows of `off`'s `cpu` chunks
+    (ranked and merged as the staged program does: `rows.row_runs`), to and from `ctx`'s
+    device pool, each rep behind `hold()` on the stream at `stream_ptr`
+    (`rows.bare_row_seconds`, with the staged path's own row copy); None off the GPU or
     where a row is not one contiguous run."""
     found = host_rows(off.cpu_tensors, cpu) if ctx.gpu else None
-    if found is None or len(found[0]) * found[1] > ctx.pool_bytes:
+    if found is None:
         return None
-    addrs, row = found
-    device = int(ctx.cp.cuda.Device().id)
-    copy = row_copier(ctx.cp, getattr(off.backend, "_batch", None), device)
-    return bare_row_seconds(ctx.cp, addrs, row, ctx._ptr(ctx.pool), direction, stream_ptr,
+    starts, sizes = row_runs(*found)
+    if int(sizes.sum()) > ctx.pool_bytes:
+        return None
+    copy = row_copier(ctx.cp, getattr(off.backend, "_batch", None), int(ctx.cp.cuda.Device().id))
+    return bare_row_seconds(ctx.cp, starts, sizes, ctx._ptr(ctx.pool), direction, stream_ptr,
                             hold, ctx.reps, copy)
-
-
-#: cuMemcpyBatchAsync source access orders (CUmemcpySrcAccessOrder), as the staged path asks
-_ORDER_STREAM, _ORDER_ANY = 1, 3
-
-
-def row_copier(cp: Any, batch: Any, device_id: int) -> RowCopy:
-    """Row copies as the staged path makes them: `batch` (the CUDA backend's
-    `cuMemcpyBatchAsync` caller) with its access order and location hints, or one
-    `cudaMemcpyAsync` per row where the driver lacks the batch call (`batch` None)."""
-
-    def copy(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, stream: int,
-             store: bool) -> None:
-        if batch is None:
-            for s, d, n in zip(src.tolist(), dst.tolist(), sizes.tolist()):
-                cp.cuda.runtime.memcpyAsync(d, s, n, 4, stream)  # 4: cudaMemcpyDefault
-            return
-        ends = (device_id, -1) if store else (-1, device_id)
-        batch(src, dst, sizes, stream, _ORDER_STREAM if store else _ORDER_ANY, *ends)
-
-    return copy

@@ -2,12 +2,14 @@
 
 The host side of a staged transfer is its chunks' rows (every KV tensor's page side by side),
 one copy-engine descriptor each; with random chunk ids they are scattered across the host
-copy. `bare_row_seconds` moves the same rows between the offloader's host memory and one
-contiguous device buffer with bare batched DMA (`cuMemcpyBatchAsync`, one call per
-`BATCH_BYTES`; one `cudaMemcpyAsync` per row where the driver lacks the batch call),
-enqueued behind a spin so that no host work is timed: no pack or unpack kernel, no program,
-no events between slabs. What it moves is as fast as the copy engines take these rows; the
-`pipeline` section reports it as path ``ref-rows`` beside the staged path held the same way.
+copy. `bare_row_seconds` moves the same rows, ranked by chunk id and merged where chunk ids
+are consecutive as the staged program does (`row_runs`), between the offloader's host memory
+and one contiguous device buffer with bare DMA (the staged path's own row copy: one
+`cuMemcpyBatchAsync` per `BATCH_BYTES`, or one `cudaMemcpyAsync` per run where the driver
+lacks the batch call), enqueued behind a spin so that no host work is timed: no pack or
+unpack kernel, no program, no events between slabs. That is the copy engines' rate on these
+rows with nothing else in the way; the `pipeline` section reports it as path ``ref-rows``
+beside the staged path held the same way.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ import numpy as np
 
 from .common import MiB
 
-__all__ = ["BATCH_BYTES", "RowCopy", "bare_row_seconds", "host_rows"]
+__all__ = ["BATCH_BYTES", "RowCopy", "bare_row_seconds", "batches", "host_rows", "row_copier",
+           "row_runs"]
 
 #: bytes of rows per batch call (a staging slab of the default ring)
 BATCH_BYTES = 16 * MiB
@@ -49,39 +52,82 @@ def host_rows(views: Sequence[np.ndarray], chunks: Any) -> tuple[np.ndarray, int
     return np.uint64(base) + ids.astype(np.uint64) * np.uint64(row), row
 
 
-#: copies rows (src, dst, sizes: uint64 arrays; the stream's address; True for d2h) and
-#: returns without waiting: `Context.bare_rows` passes kvasync's own batch call
+def row_runs(addrs: np.ndarray, row_bytes: int) -> tuple[np.ndarray, np.ndarray]:
+    """(start, bytes) of each host run, uint64: the rows at `addrs` in address order (chunk
+    order), merged where one ends where the next begins."""
+    a = np.unique(np.asarray(addrs, dtype=np.uint64))
+    if a.size == 0:
+        return a, a.copy()
+    breaks = np.flatnonzero(np.diff(a) != np.uint64(row_bytes)) + 1
+    first = np.concatenate(([0], breaks))
+    counts = np.diff(np.concatenate((first, [a.size])))
+    return a[first], counts.astype(np.uint64) * np.uint64(row_bytes)
+
+
+def batches(sizes: np.ndarray) -> tuple[np.ndarray, list[int]]:
+    """(each run's offset in the device buffer, the run indices where batch calls begin and
+    end): a batch holds the runs that start in one `BATCH_BYTES` window of the buffer."""
+    sizes = np.asarray(sizes, dtype=np.uint64)
+    offsets = (np.cumsum(sizes) - sizes).astype(np.uint64)
+    windows = np.arange(0, int(sizes.sum()) + BATCH_BYTES, BATCH_BYTES, dtype=np.uint64)
+    cuts = np.searchsorted(offsets, windows).tolist()
+    return offsets, sorted(set(cuts) | {0, int(sizes.size)})
+
+
+#: copies runs (src, dst, sizes: uint64 arrays; the stream's address; True for d2h) and
+#: returns without waiting: `context.bare_rows` passes the staged path's own row copy
 RowCopy = Callable[[np.ndarray, np.ndarray, np.ndarray, int, bool], None]
 
 
-def bare_row_seconds(cp: Any, addrs: np.ndarray, row_bytes: int, dev_ptr: int,
+def bare_row_seconds(cp: Any, starts: np.ndarray, sizes: np.ndarray, dev_ptr: int,
                      direction: str, stream_ptr: int, hold: Callable[[], None],
                      reps: int, copy: RowCopy) -> list[float]:
-    """Event seconds of `reps` bare row copies (after one warm-up): the rows at `addrs`
-    (`host_rows`) to consecutive rows of the device buffer at `dev_ptr` ("h2d") or back
-    ("d2h"), on the stream at `stream_ptr`, each rep behind `hold()` (which enqueues a
+    """Event seconds of `reps` bare copies (after one warm-up) of the host runs `starts`,
+    `sizes` (`row_runs`) to consecutive bytes of the device buffer at `dev_ptr` ("h2d") or
+    back ("d2h"), on the stream at `stream_ptr`, each rep behind `hold()` (which enqueues a
     spin there, so every call is made before the device starts). Wraps
-    `cudaEventRecord`, `copy` per `BATCH_BYTES` of rows, `cudaEventRecord`,
-    `cudaEventSynchronize`."""
-    n = len(addrs)
-    dev = np.uint64(dev_ptr) + np.arange(n, dtype=np.uint64) * np.uint64(row_bytes)
+    `cudaEventRecord`, `copy` per `BATCH_BYTES` of runs (at least one run),
+    `cudaEventRecord`, `cudaEventSynchronize`."""
+    sizes = np.ascontiguousarray(sizes, dtype=np.uint64)
+    if not sizes.size:
+        return []
+    offsets, bounds = batches(sizes)
+    dev = np.uint64(dev_ptr) + offsets
+    host = np.ascontiguousarray(starts, dtype=np.uint64)
     store = direction == "d2h"
-    src, dst = (dev, addrs) if store else (addrs, dev)
-    src = np.ascontiguousarray(src, dtype=np.uint64)
-    dst = np.ascontiguousarray(dst, dtype=np.uint64)
-    sizes = np.full(n, row_bytes, dtype=np.uint64)
-    per = max(1, BATCH_BYTES // max(row_bytes, 1))
+    src, dst = (dev, host) if store else (host, dev)
     stream = cp.cuda.ExternalStream(stream_ptr)
     out: list[float] = []
     for rep in range(reps + 1):
         start, end = cp.cuda.Event(), cp.cuda.Event()
         hold()
         start.record(stream)
-        for lo in range(0, n, per):
-            hi = min(n, lo + per)
+        for lo, hi in zip(bounds, bounds[1:]):
             copy(src[lo:hi], dst[lo:hi], sizes[lo:hi], stream_ptr, store)
         end.record(stream)
         end.synchronize()
         if rep:
             out.append(cp.cuda.get_elapsed_time(start, end) / 1e3)
     return out
+
+
+#: cuMemcpyBatchAsync source access orders (CUmemcpySrcAccessOrder), as the staged path asks
+_ORDER_STREAM, _ORDER_ANY = 1, 3
+
+
+def row_copier(cp: Any, batch: Any, device_id: int) -> RowCopy:
+    """Row copies as the staged path makes them: `batch` (the CUDA backend's
+    `cuMemcpyBatchAsync` caller) with its access order and location hints, or one
+    `cudaMemcpyAsync` per run for a lone run and where the driver lacks the batch call
+    (`batch` None)."""
+
+    def copy(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, stream: int,
+             store: bool) -> None:
+        if batch is None or len(sizes) <= 1:  # the staged path copies a lone run so too
+            for s, d, n in zip(src.tolist(), dst.tolist(), sizes.tolist()):
+                cp.cuda.runtime.memcpyAsync(d, s, n, 4, stream)  # 4: cudaMemcpyDefault
+            return
+        ends = (device_id, -1) if store else (-1, device_id)
+        batch(src, dst, sizes, stream, _ORDER_STREAM if store else _ORDER_ANY, *ends)
+
+    return copy

@@ -1,9 +1,12 @@
 """The bare-rows reference's host side: where an offloader's rows are, checked byte by byte
-against each KV tensor's own view (no GPU: the host backend's memory has the same layout)."""
+against each KV tensor's own view (no GPU: the host backend's memory has the same layout),
+how they merge into runs and batch calls (against plain-Python oracles), and the copy calls."""
 
 from __future__ import annotations
 
 import ctypes
+from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -11,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvasync as kv
-from kvasync.bench.rows import host_rows
+from kvasync.bench.rows import BATCH_BYTES, batches, host_rows, row_copier, row_runs
 
 
 def _offloader(tensors: int, page: int, chunks: int) -> kv.Offloader:
@@ -52,3 +55,60 @@ def test_rows_that_are_not_one_run_are_refused() -> None:
     assert host_rows([], [0]) is None
     with pytest.raises(ValueError, match=r"chunk ids must lie in \[0, 4\)"):
         host_rows([buf[:, i] for i in range(3)], [4])
+
+
+def _runs_oracle(addrs: list[int], row: int) -> list[tuple[int, int]]:
+    runs: list[list[int]] = []
+    for a in sorted(set(addrs)):
+        if runs and runs[-1][0] + runs[-1][1] == a:
+            runs[-1][1] += row
+        else:
+            runs.append([a, row])
+    return [(a, n) for a, n in runs]
+
+
+@settings(max_examples=200, deadline=None)
+@given(ids=st.lists(st.integers(0, 60), max_size=40, unique=True),
+       row=st.sampled_from([1, 4096, 3 << 20]), base=st.integers(0, 1 << 40))
+def test_row_runs_rank_and_merge_like_the_oracle(ids: list[int], row: int, base: int) -> None:
+    addrs = [base + i * row for i in ids]
+    starts, sizes = row_runs(np.array(addrs, dtype=np.uint64), row)
+    assert starts.dtype == sizes.dtype == np.uint64
+    assert list(zip(starts.tolist(), sizes.tolist())) == _runs_oracle(addrs, row)
+
+
+@settings(max_examples=200, deadline=None)
+@given(sizes=st.lists(st.integers(1, 3 * BATCH_BYTES), min_size=1, max_size=30))
+def test_batches_cover_each_run_once_by_its_window(sizes: list[int]) -> None:
+    offsets, bounds = batches(np.array(sizes, dtype=np.uint64))
+    assert offsets.tolist() == [sum(sizes[:k]) for k in range(len(sizes))]
+    assert bounds[0] == 0 and bounds[-1] == len(sizes) and bounds == sorted(set(bounds))
+    for lo, hi in zip(bounds, bounds[1:]):
+        window = {int(o) // BATCH_BYTES for o in offsets[lo:hi]}
+        assert len(window) == 1  # one call's runs start in one window
+    if len(bounds) > 2:  # and windows never repeat across calls
+        firsts = [int(offsets[lo]) // BATCH_BYTES for lo in bounds[:-1]]
+        assert firsts == sorted(set(firsts))
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+
+    def __call__(self, *args: Any) -> None:
+        self.calls.append(args)
+
+
+def test_row_copier_asks_what_the_staged_path_asks() -> None:
+    batch, each = _Recorder(), _Recorder()
+    cp = SimpleNamespace(cuda=SimpleNamespace(runtime=SimpleNamespace(memcpyAsync=each)))
+    src, dst = np.array([1, 2], np.uint64), np.array([10, 20], np.uint64)
+    sizes = np.array([5, 6], np.uint64)
+    row_copier(cp, batch, 3)(src, dst, sizes, 99, True)  # a store: device 3 -> host
+    assert len(batch.calls) == 1 and batch.calls[0][3:] == (99, 1, 3, -1) and not each.calls
+    row_copier(cp, batch, 3)(src, dst, sizes, 99, False)  # a load: host -> device 3, any order
+    assert batch.calls[1][3:] == (99, 3, -1, 3)
+    row_copier(cp, None, 3)(src, dst, sizes, 7, False)  # no batch call: one copy per run
+    row_copier(cp, batch, 3)(src[:1], dst[:1], sizes[:1], 7, True)  # a lone run: so too
+    assert each.calls == [(10, 1, 5, 4, 7), (20, 2, 6, 4, 7), (10, 1, 5, 4, 7)]
+    assert len(batch.calls) == 2

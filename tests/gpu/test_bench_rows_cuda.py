@@ -1,5 +1,6 @@
 """The bench's bare-rows reference on the GPU: the copy engines move the transfer's own host
-rows, byte for byte, and the pipeline section reports them as ``ref-rows``."""
+rows (ranked by chunk id, as the staged program ranks them), byte for byte and nothing else,
+and the pipeline section reports them as ``ref-rows``."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 
 from kvasync.bench.common import KiB, MiB, Options
 from kvasync.bench.context import Context, bare_rows
-from kvasync.bench.rows import host_rows
+from kvasync.bench.rows import bare_row_seconds, host_rows, row_copier, row_runs
 from kvasync.bench.sections import pipeline
 
 pytestmark = pytest.mark.gpu
@@ -21,7 +22,12 @@ def _context() -> Context:
                            tensors=4, quick=True))
 
 
-def test_bare_rows_move_the_transfers_rows_both_ways() -> None:
+def _host(views: list[np.ndarray]) -> np.ndarray:
+    return np.stack([np.concatenate([v[c] for v in views]) for c in range(views[0].shape[0])])
+
+
+@pytest.mark.parametrize("batch_call", [True, False], ids=["batch", "per-run"])
+def test_bare_rows_move_the_transfers_rows_both_ways(batch_call: bool) -> None:
     import torch
 
     ctx = _context()
@@ -32,9 +38,11 @@ def test_bare_rows_move_the_transfers_rows_both_ways() -> None:
         rng = np.random.default_rng(7)
         for v in views:
             v[:] = rng.integers(0, 256, v.shape, dtype=np.uint8)
-        rows = np.stack([np.concatenate([v[c] for v in views]) for c in cpu])
+        before = _host(views)
+        ranked = np.sort(cpu)
         found = host_rows(views, cpu)
-        assert found is not None and found[1] == rows.shape[1]
+        assert found is not None and found[1] == before.shape[1]
+        starts, sizes = row_runs(*found)
         hold = torch.cuda.Stream()
         spins: list[int] = []
 
@@ -43,20 +51,31 @@ def test_bare_rows_move_the_transfers_rows_both_ways() -> None:
             with torch.cuda.stream(hold):
                 torch.cuda._sleep(1000)
 
-        secs = bare_rows(ctx, off, cpu, "h2d", hold.cuda_stream, spin)
-        assert secs is not None and len(secs) == 1 and secs[0] > 0 and len(spins) == 2
+        def move(direction: str) -> list[float] | None:
+            if batch_call:
+                return bare_rows(ctx, off, cpu, direction, hold.cuda_stream, spin)
+            copy = row_copier(ctx.cp, None, 0)
+            return bare_row_seconds(ctx.cp, starts, sizes, int(ctx.pool.data_ptr()),
+                                    direction, hold.cuda_stream, spin, 1, copy)
+
         pool: Any = ctx.pool
+        n = before[ranked].size
+        tail = pool[n : n + 4096].clone()
+        secs = move("h2d")
+        assert secs is not None and len(secs) == 1 and secs[0] > 0 and len(spins) == 2
         torch.cuda.synchronize()
-        landed = pool[: rows.size].cpu().numpy().reshape(rows.shape)
-        np.testing.assert_array_equal(landed, rows)
-        # back: the pool's rows into the host rows, in the same order
-        pool[: rows.size] = torch.from_numpy(rows[::-1].copy().ravel()).cuda()
+        np.testing.assert_array_equal(pool[:n].cpu().numpy().reshape(-1, before.shape[1]),
+                                      before[ranked])
+        assert torch.equal(pool[n : n + 4096], tail)  # nothing past the rows
+        # back: other bytes into the same rows of the host copy, and only those rows
+        back = rng.integers(0, 256, (len(ranked), before.shape[1]), dtype=np.uint8)
+        pool[:n] = torch.from_numpy(back.ravel()).cuda()
         torch.cuda.synchronize()
-        secs = bare_rows(ctx, off, cpu, "d2h", hold.cuda_stream, spin)
+        secs = move("d2h")
         assert secs is not None and secs[0] > 0
-        for k, c in enumerate(cpu):
-            np.testing.assert_array_equal(np.concatenate([v[c] for v in views]),
-                                          rows[::-1][k])
+        want = before.copy()
+        want[ranked] = back
+        np.testing.assert_array_equal(_host(views), want)
     finally:
         ctx.close()
 

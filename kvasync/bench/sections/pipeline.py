@@ -9,8 +9,9 @@ wait) is the device pipeline alone. A row's `ratio` is over event time. Row ``mo
 "as-run" is a plain transfer, with its wall-time ratio in ``wall_ratio``; "held" is the
 transfer enqueued ahead. The gap between the two is what the host's enqueue costs.
 
-Path ``ref-rows`` (mode "held") moves the same transfer's host rows by bare copy-engine DMA
-to or from one contiguous device buffer (`rows.py`): no pack, no program, no slab events.
+Path ``ref-rows`` (mode "held") moves the same transfer's host rows (ranked and merged as
+the staged program does) by bare copy-engine DMA to or from one contiguous device buffer
+(`rows.py`): no pack, no program, no slab events.
 It is the copy engines' own rate on these rows, the bound under the staged path.
 """
 
@@ -76,7 +77,7 @@ def _bare_rows(ctx: Context, off: Any, cpu: Any, direction: str, page: int, ceil
     ctx.progress(f"{fmt_size(page)} {direction} bare rows")
     torch.cuda.synchronize()
     devs = bare_rows(ctx, off, cpu, direction, hold.cuda_stream, spin)
-    if not devs:
+    if not devs or statistics.median(devs) <= 0:
         return []
     nbytes = off.cpu_tensors[0].shape[1] * len(off.cpu_tensors) * len(cpu)
     dev = statistics.median(devs)
