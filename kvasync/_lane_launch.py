@@ -24,6 +24,7 @@ from ._backends import Backend, Direction, Event, Overlap, Stream
 from ._completion import CompletionEngine
 from ._errors import OffloaderBrokenError
 from ._lane_completion import InFlight, LaneCompletion
+from ._lane_lend import LoopLending
 from ._lane_pieces import PieceSizes
 from ._program import TransferPlan
 from ._threadstate import mark_library_thread, timed_acquire
@@ -74,7 +75,7 @@ class _Reached(Event):
         return 0.0
 
 
-class LaneLaunch(LaneCompletion, PieceSizes):
+class LaneLaunch(LaneCompletion, PieceSizes, LoopLending):
     """The launch half of a lane: pools, the enqueue of one transfer, the launcher thread."""
 
     def __init__(self, backend: Backend, direction: Direction, engine: CompletionEngine,
@@ -92,6 +93,8 @@ class LaneLaunch(LaneCompletion, PieceSizes):
         self._launch_ready = threading.Condition(self._lock)
         #: notified when the launcher has emptied `_launches` (`_wait_launched`)
         self._launched = threading.Condition(self._lock)
+        #: the caller's event loop where a `_lend_loop` is scheduled and has not run yet
+        self._lend_pending = None
 
     # -- pools (called under the lock) --------------------------------------------------------
     def _stream(self) -> Stream:

@@ -106,6 +106,7 @@ class DirectionQueue(LaneLaunch):
                 self._note_submitted(job)
                 self._launches.append(job)
                 self._ensure_launcher()
+                self._lend_loop_soon()
                 return transfer
             launched = time.perf_counter()  # the device time learned below counts from here
             rec = self._launch(job, raise_refusal=True)
@@ -113,6 +114,7 @@ class DirectionQueue(LaneLaunch):
             if rec is None:  # a big load's first pieces are enqueued, the launcher does the rest
                 self._launches.append(job)
                 self._ensure_launcher()
+                self._lend_loop_soon()
             else:
                 self._add(rec)
         return transfer
