@@ -93,8 +93,7 @@ class LaneLaunch(LaneCompletion, PieceSizes, LoopLending):
         self._launch_ready = threading.Condition(self._lock)
         #: notified when the launcher has emptied `_launches` (`_wait_launched`)
         self._launched = threading.Condition(self._lock)
-        #: the caller's event loop where a `_lend_loop` is scheduled and has not run yet
-        self._lend_pending = None
+        self._init_lending()
 
     # -- pools (called under the lock) --------------------------------------------------------
     def _stream(self) -> Stream:
@@ -266,6 +265,7 @@ class LaneLaunch(LaneCompletion, PieceSizes, LoopLending):
                     self._launches.popleft()
                     if not self._launches:
                         self._launched.notify_all()
+                        self._caught_up.set()
                 if rec is not None:
                     self._add(rec)
 

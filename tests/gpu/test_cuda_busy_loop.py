@@ -38,6 +38,14 @@ async def test_a_busy_loop_still_launches_and_lands_deferred_transfers(
         return rec
 
     monkeypatch.setattr(LaneLaunch, "_launch", timed)
+    lends: list[float] = []
+    real_lend = LaneLaunch._lend_loop
+
+    def counted(self: Any, loop: asyncio.AbstractEventLoop) -> None:
+        lends.append(time.perf_counter())
+        real_lend(self, loop)
+
+    monkeypatch.setattr(LaneLaunch, "_lend_loop", counted)
     page, blocks, tensors = 16384, 512, 32
     rng = np.random.default_rng(5)
     gpu = [torch.from_numpy(rng.integers(0, 256, (blocks, page), dtype=np.uint8)).cuda()
@@ -63,16 +71,18 @@ async def test_a_busy_loop_still_launches_and_lands_deferred_transfers(
         before = turns
         t = off.store(gpu_blocks=ids, cpu_chunks=ids)
         r = await t
-        assert r.success and launched
+        assert r.success and launched and lends
         assert turns - before < 300, turns - before
         for k in range(tensors):
             np.testing.assert_array_equal(off.cpu_tensors[k][ids], want[k][ids])
         for g in gpu:
             g.zero_()
         torch.cuda.synchronize()
-        before = turns
+        before, lent = turns, len(lends)
+        launched.clear()
         r = await off.load(cpu_chunks=ids, gpu_blocks=ids)  # its later pieces: the launcher's
         assert r.success and turns - before < 300, turns - before
+        assert launched and len(lends) > lent  # the split load's rest was lent for
         for k in range(tensors):
             np.testing.assert_array_equal(gpu[k][ids].cpu().numpy(), want[k][ids])
     finally:
