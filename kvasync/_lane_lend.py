@@ -27,7 +27,6 @@ __all__ = ["LoopLending"]
 class LoopLending:
     """Lending a caller's event loop to the launcher (see the module)."""
 
-    _lock: threading.Lock
     _launches: deque[Any]
     _launcher: threading.Thread | None
     _stop: bool
@@ -44,6 +43,7 @@ class LoopLending:
     LEND_S = 0.002
 
     def _init_lending(self) -> None:
+        """Called by the lane's constructor: caught up, nothing pending."""
         self._caught_up = threading.Event()
         self._caught_up.set()
         self._lend_pending = set()
