@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from support import BusyLoop, record_calls
 
 import kvasync as kv
 from kvasync._lane_launch import LaneLaunch
@@ -34,21 +35,7 @@ def defer_all(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture
 def lends(monkeypatch: pytest.MonkeyPatch) -> list[float]:
     """The times `_lend_loop` ran (it still runs)."""
-    seen: list[float] = []
-    real = LaneLaunch._lend_loop
-
-    def counted(self: Any, loop: asyncio.AbstractEventLoop) -> None:
-        seen.append(time.perf_counter())
-        real(self, loop)
-
-    monkeypatch.setattr(LaneLaunch, "_lend_loop", counted)
-    return seen
-
-
-def _spin(seconds: float) -> None:
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        pass
+    return record_calls(monkeypatch, LaneLaunch, "_lend_loop")
 
 
 @pytest.mark.asyncio
@@ -60,41 +47,22 @@ async def test_a_busy_loop_lends_its_thread_until_the_launch_is_done(
     store's launch is done within a few of that task's turns (without lending the launcher
     waited for the GIL for hundreds of them: 1.5 s on a 2-core machine)."""
     off = _offloader()
-    launched: list[float] = []
-    real = LaneLaunch._launch
-
-    def timed(self: Any, job: Any, raise_refusal: bool = False) -> Any:
-        rec = real(self, job, raise_refusal)
-        launched.append(time.perf_counter())
-        return rec
-
-    monkeypatch.setattr(LaneLaunch, "_launch", timed)
-    stop = False
-    turns = 0
-
-    async def busy() -> None:
-        nonlocal turns
-        while not stop:
-            _spin(0.001)
-            turns += 1
-            await asyncio.sleep(0)
-
-    task = asyncio.create_task(busy())
-    await asyncio.sleep(0.01)
+    launched = record_calls(monkeypatch, LaneLaunch, "_launch")
     ts: list[kv.Transfer] = []
     try:
-        for i in range(5):
-            launched.clear()
-            before = turns
-            ts.append(off.store(gpu_blocks=[i, i + 8, i + 16], cpu_chunks=[i, i + 8, i + 16]))
-            while not launched and turns - before < 2000:
-                await asyncio.sleep(0)
-            assert launched, "the launch never ran"
-            assert turns - before < 200, turns - before
-    finally:
-        stop = True
-        await task  # the host backend's copy thread wants the GIL too: await once idle
+        async with BusyLoop() as busy:
+            for i in range(5):
+                launched.clear()
+                before = busy.turns
+                ts.append(off.store(gpu_blocks=[i, i + 8, i + 16],
+                                    cpu_chunks=[i, i + 8, i + 16]))
+                while not launched and busy.turns - before < 2000:
+                    await asyncio.sleep(0)
+                assert launched, "the launch never ran"
+                assert busy.turns - before < 200, busy.turns - before
+        # the host backend's copy thread wants the GIL too: await once the loop is idle
         results = [await t for t in ts]
+    finally:
         off.close()
     assert all(r.success for r in results) and lends  # the loop lent its thread
 
