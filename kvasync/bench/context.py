@@ -9,9 +9,9 @@ or reads kvasync state that is not public API; sections use `kvasync.Offloader`'
 - ``backend.calibration()`` (CUDA): what ``auto`` measured at start-up, kept in the metadata;
 - ``backend.alloc_host``: host memory of the kind kvasync copies from, for the ceilings
   (measured in `ceilings.py`);
-- ``backend._batch`` (CUDA): the staged path's batch row copy, and ``cpu_tensors``'
-  addresses, the host rows that `rows.py` moves with it bare, the bound under the staged
-  path.
+- ``backend._staged`` and ``backend._batch`` (CUDA): the staged path's own slab row copy,
+  which `rows.py` runs bare over the host rows at ``cpu_tensors``' addresses, the bound
+  under the staged path.
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ import kvasync as kv
 
 from .ceilings import Ceilings, sync_round_trips
 from .common import GiB, MiB, Options, fmt_size
-from .rows import bare_row_seconds, host_rows, row_copier, row_runs
+from .rows import RowCopy, bare_row_seconds, host_rows, row_runs
 
 __all__ = ["BenchUnavailable", "Context", "Ran", "Timing", "bare_rows", "cuda_unavailable_reason",
-           "submit"]
+           "row_copier", "submit"]
 
 #: vLLM's shipped policy: loads below this page size run its Triton kernel with 12 programs,
 #: everything else batched DMA (re-created with kvasync's own kernel and DMA paths)
@@ -369,6 +369,21 @@ def bare_rows(ctx: Context, off: kv.Offloader, cpu: Any, direction: str, stream_
     starts, sizes = row_runs(*found)
     if int(sizes.sum()) > ctx.pool_bytes:
         return None
-    copy = row_copier(ctx.cp, getattr(off.backend, "_batch", None), int(ctx.cp.cuda.Device().id))
     return bare_row_seconds(ctx.cp, starts, sizes, ctx._ptr(ctx.pool), direction, stream_ptr,
-                            hold, ctx.reps, copy)
+                            hold, ctx.reps, row_copier(ctx.cp, off))
+
+
+def row_copier(cp: Any, off: kv.Offloader, use_batch: bool = True) -> RowCopy:
+    """The staged path's own slab row copy (`StagedPath._dma` of `off`'s CUDA backend: a
+    `cudaMemcpyAsync` per run for a lone run or without the batch call, else one
+    `cuMemcpyBatchAsync` with its access order and location hints), on the stream at the
+    address it is given; `use_batch` False asks for the per-run copies."""
+    backend: Any = off.backend
+    staged = backend._staged
+    batch = backend._batch if use_batch else None
+
+    def copy(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, stream: int,
+             store: bool) -> None:
+        staged._dma(batch, cp.cuda.ExternalStream(stream), src, dst, sizes, store)
+
+    return copy

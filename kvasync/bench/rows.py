@@ -4,12 +4,11 @@ The host side of a staged transfer is its chunks' rows (every KV tensor's page s
 one copy-engine descriptor each; with random chunk ids they are scattered across the host
 copy. `bare_row_seconds` moves the same rows, ranked by chunk id and merged where chunk ids
 are consecutive as the staged program does (`row_runs`), between the offloader's host memory
-and one contiguous device buffer with bare DMA (the staged path's own row copy: one
-`cuMemcpyBatchAsync` per `BATCH_BYTES`, or one `cudaMemcpyAsync` per run where the driver
-lacks the batch call), enqueued behind a spin so that no host work is timed: no pack or
-unpack kernel, no program, no events between slabs. That is the copy engines' rate on these
-rows with nothing else in the way; the `pipeline` section reports it as path ``ref-rows``
-beside the staged path held the same way.
+and one contiguous device buffer with bare DMA (the staged path's own slab row copy, called
+once per `BATCH_BYTES` of runs: `context.row_copier`), enqueued behind a spin so that no
+host work is timed: no pack or unpack kernel, no program, no events between slabs. That is
+the copy engines' rate on these rows with nothing else in the way; the `pipeline` section
+reports it as path ``ref-rows`` beside the staged path held the same way.
 """
 
 from __future__ import annotations
@@ -21,8 +20,7 @@ import numpy as np
 
 from .common import MiB
 
-__all__ = ["BATCH_BYTES", "RowCopy", "bare_row_seconds", "batches", "host_rows", "row_copier",
-           "row_runs"]
+__all__ = ["BATCH_BYTES", "RowCopy", "bare_row_seconds", "batches", "host_rows", "row_runs"]
 
 #: bytes of rows per batch call (a staging slab of the default ring)
 BATCH_BYTES = 16 * MiB
@@ -75,7 +73,7 @@ def batches(sizes: np.ndarray) -> tuple[np.ndarray, list[int]]:
 
 
 #: copies runs (src, dst, sizes: uint64 arrays; the stream's address; True for d2h) and
-#: returns without waiting: `context.bare_rows` passes the staged path's own row copy
+#: returns without waiting: `context.row_copier`, the staged path's own
 RowCopy = Callable[[np.ndarray, np.ndarray, np.ndarray, int, bool], None]
 
 
@@ -109,25 +107,3 @@ def bare_row_seconds(cp: Any, starts: np.ndarray, sizes: np.ndarray, dev_ptr: in
         if rep:
             out.append(cp.cuda.get_elapsed_time(start, end) / 1e3)
     return out
-
-
-#: cuMemcpyBatchAsync source access orders (CUmemcpySrcAccessOrder), as the staged path asks
-_ORDER_STREAM, _ORDER_ANY = 1, 3
-
-
-def row_copier(cp: Any, batch: Any, device_id: int) -> RowCopy:
-    """Row copies as the staged path makes them: `batch` (the CUDA backend's
-    `cuMemcpyBatchAsync` caller) with its access order and location hints, or one
-    `cudaMemcpyAsync` per run for a lone run and where the driver lacks the batch call
-    (`batch` None)."""
-
-    def copy(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, stream: int,
-             store: bool) -> None:
-        if batch is None or len(sizes) <= 1:  # the staged path copies a lone run so too
-            for s, d, n in zip(src.tolist(), dst.tolist(), sizes.tolist()):
-                cp.cuda.runtime.memcpyAsync(d, s, n, 4, stream)  # 4: cudaMemcpyDefault
-            return
-        ends = (device_id, -1) if store else (-1, device_id)
-        batch(src, dst, sizes, stream, _ORDER_STREAM if store else _ORDER_ANY, *ends)
-
-    return copy

@@ -14,7 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvasync as kv
-from kvasync.bench.rows import BATCH_BYTES, batches, host_rows, row_copier, row_runs
+from kvasync._backends import _cudart
+from kvasync._backends._cuda_staged import StagedPath
+from kvasync.bench.context import row_copier
+from kvasync.bench.rows import BATCH_BYTES, batches, host_rows, row_runs
 
 
 def _offloader(tensors: int, page: int, chunks: int) -> kv.Offloader:
@@ -99,16 +102,21 @@ class _Recorder:
         self.calls.append(args)
 
 
-def test_row_copier_asks_what_the_staged_path_asks() -> None:
+def test_row_copier_is_the_staged_paths_own_row_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`context.row_copier` runs the staged path's slab copy (`StagedPath._dma`) of the
+    offloader's backend, with its batch call, on the stream at the given address."""
     batch, each = _Recorder(), _Recorder()
-    cp = SimpleNamespace(cuda=SimpleNamespace(runtime=SimpleNamespace(memcpyAsync=each)))
+    monkeypatch.setattr(_cudart, "memcpy_runs", lambda runs, stream: each(list(runs), stream))
+    staged = StagedPath(3, None, None, None)  # type: ignore[arg-type]  # _dma needs none
+    off: Any = SimpleNamespace(backend=SimpleNamespace(_staged=staged, _batch=batch))
+    cp = SimpleNamespace(cuda=SimpleNamespace(ExternalStream=lambda p: SimpleNamespace(ptr=p)))
     src, dst = np.array([1, 2], np.uint64), np.array([10, 20], np.uint64)
     sizes = np.array([5, 6], np.uint64)
-    row_copier(cp, batch, 3)(src, dst, sizes, 99, True)  # a store: device 3 -> host
+    row_copier(cp, off)(src, dst, sizes, 99, True)  # a store: device 3 -> host
     assert len(batch.calls) == 1 and batch.calls[0][3:] == (99, 1, 3, -1) and not each.calls
-    row_copier(cp, batch, 3)(src, dst, sizes, 99, False)  # a load: host -> device 3, any order
+    row_copier(cp, off)(src, dst, sizes, 99, False)  # a load: host -> device 3, any order
     assert batch.calls[1][3:] == (99, 3, -1, 3)
-    row_copier(cp, None, 3)(src, dst, sizes, 7, False)  # no batch call: one copy per run
-    row_copier(cp, batch, 3)(src[:1], dst[:1], sizes[:1], 7, True)  # a lone run: so too
-    assert each.calls == [(10, 1, 5, 4, 7), (20, 2, 6, 4, 7), (10, 1, 5, 4, 7)]
+    row_copier(cp, off, use_batch=False)(src, dst, sizes, 7, False)  # one copy per run
+    row_copier(cp, off)(src[:1], dst[:1], sizes[:1], 7, True)  # a lone run: so too
+    assert each.calls == [([(1, 10, 5), (2, 20, 6)], 7), ([(1, 10, 5)], 7)]
     assert len(batch.calls) == 2

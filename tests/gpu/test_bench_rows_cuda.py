@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from kvasync.bench.common import KiB, MiB, Options
-from kvasync.bench.context import Context, bare_rows
-from kvasync.bench.rows import bare_row_seconds, host_rows, row_copier, row_runs
+from kvasync.bench.context import Context, bare_rows, row_copier
+from kvasync.bench.rows import bare_row_seconds, host_rows, row_runs
 from kvasync.bench.sections import pipeline
 
 pytestmark = pytest.mark.gpu
@@ -54,7 +54,7 @@ def test_bare_rows_move_the_transfers_rows_both_ways(batch_call: bool) -> None:
         def move(direction: str) -> list[float] | None:
             if batch_call:
                 return bare_rows(ctx, off, cpu, direction, hold.cuda_stream, spin)
-            copy = row_copier(ctx.cp, None, 0)
+            copy = row_copier(ctx.cp, off, use_batch=False)
             return bare_row_seconds(ctx.cp, starts, sizes, int(ctx.pool.data_ptr()),
                                     direction, hold.cuda_stream, spin, 1, copy)
 

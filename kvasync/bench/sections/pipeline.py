@@ -69,18 +69,14 @@ def _bare_rows(ctx: Context, off: Any, cpu: Any, direction: str, page: int, ceil
     (`rows.py`), enqueued behind the spin like a held transfer; none where the layout's
     rows are not contiguous."""
     torch = ctx.torch
-
-    def spin() -> None:
-        with torch.cuda.stream(hold):
-            torch.cuda._sleep(HOLD_CYCLES)
-
     ctx.progress(f"{fmt_size(page)} {direction} bare rows")
     torch.cuda.synchronize()
-    devs = bare_rows(ctx, off, cpu, direction, hold.cuda_stream, spin)
-    if not devs or statistics.median(devs) <= 0:
+    devs = bare_rows(ctx, off, cpu, direction, hold.cuda_stream, lambda: _hold(torch, hold))
+    devs = devs or []
+    dev = statistics.median(devs) if devs else 0.0
+    if dev <= 0:
         return []
     nbytes = off.cpu_tensors[0].shape[1] * len(off.cpu_tensors) * len(cpu)
-    dev = statistics.median(devs)
     gbps = nbytes / dev / 1e9
     return [Row("pipeline", "ref-rows", direction, page, ratio=round(gbps / ceil, 3),
                 gbps=round(gbps, 2), ceiling_gbps=round(ceil, 2),
@@ -89,6 +85,12 @@ def _bare_rows(ctx: Context, off: Any, cpu: Any, direction: str, page: int, ceil
                 note="held, the transfer's host rows by bare copy-engine DMA (no pack, no "
                      "program)",
                 extra={"mode": "held", "ran": "rows"})]
+
+
+def _hold(torch: Any, hold: Any) -> None:
+    """Enqueue the `HOLD_CYCLES` spin kernel on the stream `hold`."""
+    with torch.cuda.stream(hold):
+        torch.cuda._sleep(HOLD_CYCLES)
 
 
 def _timed(ctx: Context, torch: Any, off: Any, direction: str, gpu: Any, cpu: Any,
@@ -102,8 +104,7 @@ def _timed(ctx: Context, torch: Any, off: Any, direction: str, gpu: Any, cpu: An
         torch.cuda.synchronize()
         kw: dict[str, Any] = {}
         if hold is not None:
-            with torch.cuda.stream(hold):
-                torch.cuda._sleep(HOLD_CYCLES)
+            _hold(torch, hold)
             kw["stream"] = hold
         t0 = time.perf_counter()
         r = submit(off, direction, gpu, cpu, path=path, **kw).wait(WAIT_S)
