@@ -14,8 +14,10 @@ predicts each transfer's end from its bytes and its path's measured rate), the r
 polls the direction's head event from the loop itself, yielding with ``sleep(0)`` between
 polls, and completes the transfer there. Far from the predicted end it
 sleeps on the wake-up from the completion thread (or a timer set just before the predicted
-end); if the prediction was wrong by more than `SPIN_GRACE` it stops polling and waits for
-the thread. "thread" mode never polls.
+end). A head with no prediction yet (a launch still queued for the launcher thread) or
+wrong by more than `SPIN_GRACE` is polled on a timer (`SLOW_POLL`, doubling to
+`SLOW_POLL_MAX`) besides the thread's wake-up: a busy loop keeps the GIL from that thread for
+seconds, and only the loop's own thread is sure to run. "thread" mode never polls.
 
 A closed loop is noticed (`call_soon_threadsafe` raises) and its resolver dropped; the
 transfer itself still completes and `wait()` still works. `close()` stops every resolver once
@@ -30,7 +32,7 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
-from ._polling import SPIN_GRACE, Poller
+from ._polling import SLOW_POLL, SLOW_POLL_MAX, SPIN_GRACE, Poller
 from ._threadstate import timed_acquire
 
 if TYPE_CHECKING:
@@ -120,39 +122,43 @@ class _LoopResolver:
                 pass  # task is kvasync's and keeps resolving the loop's awaiters
 
     async def _sleep(self) -> None:
-        """Wait for the next completion: poll near a predicted end, else sleep."""
+        """Wait for the next completion: poll near a predicted end, else sleep. A head not
+        launched yet or past its predicted end is polled every `SLOW_POLL` (doubling to
+        `SLOW_POLL_MAX`) as well as left to the completion thread, whose wake a busy loop
+        can hold up for seconds (it needs the GIL)."""
         if not self.engine.poll or not self.waiting:
             await self._event.wait()
             return
+        slow = SLOW_POLL
         while not self._event.is_set():
             queues = self._pollers()
             if not queues:
                 break
             now = time.perf_counter()
             soonest = None  # when the first head's window opens
+            late = False  # a polled direction's head has no prediction, or is past it
             for q in queues:
                 head = q.head_eta()
-                if head is None:
+                if head is None or now - head[0] > SPIN_GRACE:
+                    late = late or q.spin_await
                     continue
                 eta, window = head
-                if now - eta > SPIN_GRACE:  # mispredicted: leave it to the thread
-                    continue
                 soonest = eta - window if soonest is None else min(soonest, eta - window)
-            if soonest is None:
+            if soonest is None and not late:
                 break
-            if soonest > now:
-                self._poll_all(queues)  # ended before its window: no thread wake needed
-                if self._event.is_set():
-                    return
-                try:
-                    await asyncio.wait_for(self._event.wait(), soonest - now)
-                except asyncio.TimeoutError:
-                    pass
-                continue
-            self._poll_all(queues)
+            self._poll_all(queues)  # ended before its window: no thread wake needed
             if self._event.is_set():
                 return
-            await asyncio.sleep(0)
+            if soonest is not None and soonest <= now:
+                await asyncio.sleep(0)
+                continue
+            wait = soonest - now if soonest is not None else slow
+            if late and slow <= wait:
+                wait, slow = slow, min(2 * slow, SLOW_POLL_MAX)
+            try:
+                await asyncio.wait_for(self._event.wait(), wait)
+            except asyncio.TimeoutError:
+                pass
         await self._event.wait()
 
     def _drain(self) -> None:

@@ -1,0 +1,86 @@
+"""An awaited transfer completes through its loop's own polls when no thread wakes the loop:
+a busy event loop keeps the GIL from kvasync's completion thread, so a transfer not launched
+yet when awaited, or one that ends after its predicted end, must not depend on that thread."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from support import BusyLoop
+
+from kvasync._completion import CompletionEngine
+from kvasync._polling import SLOW_POLL_MAX, SPIN_GRACE
+from kvasync._transfer import Transfer, TransferResult
+
+
+class _Silent:
+    """A direction no completion thread serves: its one transfer gets a predicted end at
+    `launch` (None before: still queued for a launcher) and ends on the device at `end`;
+    only a poll completes it."""
+
+    lazy = True
+    spin_await = True
+
+    def __init__(self, transfer: Transfer, launch: float, end: float, eta: float) -> None:
+        self.transfer, self.launch, self.end, self.eta = transfer, launch, end, eta
+        self.polls: list[float] = []
+
+    def poll(self) -> int:
+        now = time.perf_counter()
+        self.polls.append(now)
+        if now < self.end or self.transfer.done():
+            return 0
+        self.transfer._complete(TransferResult(1, True, 8, 1e-3), None)
+        return 1
+
+    def head_eta(self) -> tuple[float, float] | None:
+        if self.transfer.done() or time.perf_counter() < self.launch:
+            return None
+        return self.eta, 0.25e-3
+
+
+def _transfer(launch_in: float, end_in: float, eta_in: float) -> tuple[Transfer, _Silent]:
+    t = Transfer(1, "d2h", 8, CompletionEngine())
+    now = time.perf_counter()
+    q = _Silent(t, now + launch_in, now + end_in, now + eta_in)
+    t._poller = q
+    t._eta = now + eta_in
+    t._window = 0.25e-3
+    return t, q
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.asyncio
+@pytest.mark.parametrize("case", ["not launched yet", "ends late", "both"])
+async def test_the_loop_polls_until_done_without_any_thread_wake(case: str) -> None:
+    launch, end, eta = {
+        "not launched yet": (0.03, 0.035, 0.034),  # a deferred launch, then a right guess
+        "ends late": (0.0, 0.25, 0.01),  # 240 ms past its predicted end
+        "both": (0.03, 0.25, 0.01),
+    }[case]
+    t, q = _transfer(launch, end, eta)
+    t0 = time.perf_counter()
+    r = await asyncio.wait_for(t, 10)  # nothing but the loop's own polls can complete it
+    took = time.perf_counter() - t0
+    assert r.success
+    # at most one slow interval (plus a loop turn) after the device end
+    assert took < end + SLOW_POLL_MAX + 0.05, took
+    # past its grace the loop polls on a timer, not in a spin: a few dozen polls over a
+    # quarter of a second, not thousands (within the window before and after its predicted
+    # end it spins, by design)
+    late = [p for p in q.polls if p > q.eta + SPIN_GRACE]
+    assert len(late) < 60, len(late)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.asyncio
+async def test_a_busy_loop_still_resolves_a_late_transfer_in_a_few_turns() -> None:
+    async with BusyLoop() as busy:
+        t, q = _transfer(0.0, 0.05, 0.01)
+        before = busy.turns
+        assert (await asyncio.wait_for(t, 10)).success
+        turns = busy.turns - before
+    # 50 ms of 1 ms slices; the resolver's timer fires between slices
+    assert turns < 50 + 2 * SLOW_POLL_MAX / 1e-3 + 10, turns
