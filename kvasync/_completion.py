@@ -54,6 +54,12 @@ class _LoopResolver:
         self._lock = threading.Lock()
         self._wake_pending = False
         self._event = asyncio.Event()
+        #: the future a timed wait (`_nap`) sleeps on; `_set` resolves it with the event
+        self._nap_fut: asyncio.Future[None] | None = None
+        #: the late heads being slow-polled (`_sleep`), when next, and the interval after
+        self._late: frozenset[tuple[int, float | None]] = frozenset()
+        self._slow_at = 0.0
+        self._slow = SLOW_POLL
         self._thread = threading.get_ident()
         self.task = loop.create_task(self._run(), name="kvasync-completion")
         # a loop closed without cancelling its tasks must not warn about ours: it holds no
@@ -66,7 +72,7 @@ class _LoopResolver:
             # completed by our own poll (or an await on this loop): no thread hop
             if transfer is not None:
                 self._ready.append(transfer)
-            self._event.set()
+            self._set()
             return
         with self._lock:
             if transfer is not None:
@@ -89,13 +95,37 @@ class _LoopResolver:
                 return False
             transfer._attach(self, callback, keep=True)
             self._ready.append(transfer)
-        self._event.set()
+        self._set()
         return True
 
     def _wake(self) -> None:
         with self._lock:
             self._wake_pending = False
+        self._set()
+
+    # the loop's thread
+    def _set(self) -> None:
+        """Wake the resolver: set its event and end a timed wait (`_nap`)."""
         self._event.set()
+        fut = self._nap_fut
+        if fut is not None and not fut.done():
+            fut.set_result(None)
+
+    async def _nap(self, timeout: float) -> None:
+        """Sleep until `_set` or for `timeout` s on a plain future and a loop timer:
+        ``wait_for`` runs its awaitable in a task of its own before Python 3.12, and a loop
+        closed without cancelling its tasks warns about every pending task (the resolver's
+        own is marked not to)."""
+        if self._event.is_set():
+            return
+        fut: asyncio.Future[None] = self.loop.create_future()
+        self._nap_fut = fut
+        timer = self.loop.call_later(timeout, _end_nap, fut)
+        try:
+            await fut
+        finally:
+            timer.cancel()
+            self._nap_fut = None
 
     def _pollers(self) -> set[Poller]:
         return {t._poller for t in self.waiting if t._poller is not None}
@@ -129,36 +159,39 @@ class _LoopResolver:
         if not self.engine.poll or not self.waiting:
             await self._event.wait()
             return
-        slow = SLOW_POLL
         while not self._event.is_set():
             queues = self._pollers()
             if not queues:
                 break
             now = time.perf_counter()
             soonest = None  # when the first head's window opens
-            late = False  # a polled direction's head has no prediction, or is past it
+            late: set[tuple[int, float | None]] = set()  # polled heads unlaunched or past
             for q in queues:
                 head = q.head_eta()
                 if head is None or now - head[0] > SPIN_GRACE:
-                    late = late or q.spin_await
+                    if q.spin_await:
+                        late.add((id(q), None if head is None else head[0]))
                     continue
                 eta, window = head
                 soonest = eta - window if soonest is None else min(soonest, eta - window)
             if soonest is None and not late:
                 break
-            self._poll_all(queues)  # ended before its window: no thread wake needed
-            if self._event.is_set():
-                return
+            if late and late != self._late:  # other heads: poll them now, then slower
+                self._late, self._slow, self._slow_at = frozenset(late), SLOW_POLL, now
+            if soonest is not None or now >= self._slow_at:  # a wake alone polls no late head
+                self._poll_all(queues)  # ended before its window: no thread wake needed
+                if self._event.is_set():
+                    return
             if soonest is not None and soonest <= now:
                 await asyncio.sleep(0)
                 continue
-            wait = soonest - now if soonest is not None else slow
-            if late and slow <= wait:
-                wait, slow = slow, min(2 * slow, SLOW_POLL_MAX)
-            try:
-                await asyncio.wait_for(self._event.wait(), wait)
-            except asyncio.TimeoutError:
-                pass
+            wait = soonest - now if soonest is not None else SLOW_POLL_MAX
+            if late:
+                if now >= self._slow_at:  # polled just now: the next in `_slow`, doubling
+                    self._slow_at = now + self._slow
+                    self._slow = min(2 * self._slow, SLOW_POLL_MAX)
+                wait = min(wait, self._slow_at - now)
+            await self._nap(wait)
         await self._event.wait()
 
     def _drain(self) -> None:
@@ -176,6 +209,11 @@ class _LoopResolver:
                     fut.set_result(transfer.result())
                 except BaseException as exc:
                     fut.set_exception(exc)
+
+
+def _end_nap(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 class CompletionEngine:

@@ -5,6 +5,9 @@ yet when awaited, or one that ends after its predicted end, must not depend on t
 from __future__ import annotations
 
 import asyncio
+import gc
+import logging
+import threading
 import time
 
 import pytest
@@ -41,8 +44,9 @@ class _Silent:
         return self.eta, 0.25e-3
 
 
-def _transfer(launch_in: float, end_in: float, eta_in: float) -> tuple[Transfer, _Silent]:
-    t = Transfer(1, "d2h", 8, CompletionEngine())
+def _transfer(launch_in: float, end_in: float, eta_in: float,
+              engine: CompletionEngine | None = None) -> tuple[Transfer, _Silent]:
+    t = Transfer(1, "d2h", 8, engine or CompletionEngine())
     now = time.perf_counter()
     q = _Silent(t, now + launch_in, now + end_in, now + eta_in)
     t._poller = q
@@ -84,3 +88,55 @@ async def test_a_busy_loop_still_resolves_a_late_transfer_in_a_few_turns() -> No
         turns = busy.turns - before
     # 50 ms of 1 ms slices; the resolver's timer fires between slices
     assert turns < 50 + 2 * SLOW_POLL_MAX / 1e-3 + 10, turns
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.asyncio
+async def test_wakes_of_the_resolver_do_not_restart_the_slow_polls() -> None:
+    """Every new await or done-callback wakes the resolver; a late head it already polls
+    keeps its slower interval instead of being polled at each wake."""
+    t, q = _transfer(0.0, 0.3, 0.005)
+    other, _ = _transfer(10.0, 10.0, 10.0, t._engine)  # not launched: its callbacks wake
+
+    async def wake_often() -> None:
+        while not t.done():
+            other.add_done_callback(lambda _: None)  # the resolver re-evaluates
+            await asyncio.sleep(0.002)
+
+    waker = asyncio.ensure_future(wake_often())
+    assert (await asyncio.wait_for(t, 10)).success
+    await waker
+    late = [p for p in q.polls if p > q.eta + SPIN_GRACE]
+    assert len(late) < 60, len(late)  # ~120 wakes in the late part alone
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.asyncio
+async def test_a_direction_not_polled_from_awaits_is_left_to_its_thread() -> None:
+    t, q = _transfer(10.0, 10.0, 0.001)
+    q.spin_await = False  # e.g. the remote tier: its thread completes it
+    threading.Timer(0.2, t._complete, (TransferResult(1, True, 8, 1e-3), None)).start()
+    assert (await asyncio.wait_for(t, 10)).success
+    assert q.polls == []
+
+
+def test_a_loop_closed_with_a_late_transfer_awaited_logs_nothing(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A loop closed without cancelling its tasks while its resolver slow-polls: the timed
+    waits leave no task of their own behind to be reported as destroyed while pending."""
+
+    def run_and_close() -> None:
+        t, _ = _transfer(10.0, 10.0, 0.001)  # not launched for the whole test
+
+        async def give_up() -> None:
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(t, 0.1)
+
+        loop = asyncio.new_event_loop()
+        loop.run_until_complete(give_up())
+        loop.close()  # as a framework may: pending tasks not cancelled
+
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        run_and_close()
+        gc.collect()  # the loop, its tasks and the transfer go now
+    assert "destroyed but it is pending" not in caplog.text, caplog.text
