@@ -98,6 +98,17 @@ class _LoopResolver:
         self._set()
         return True
 
+    def requeue(self, transfer: Transfer) -> None:
+        """On the loop's thread: drain the done `transfer` here unless it is queued already.
+        Its completion may have been told to a resolver whose task has since ended (an app
+        cancelling every task), and then its awaiters and done-callbacks would wait forever.
+        Every transfer that completed before it and was told to this resolver is queued
+        ahead of it, so completion order holds; a second drain finds nothing left."""
+        with self._lock:
+            if transfer not in self._ready:
+                self._ready.append(transfer)
+        self._set()
+
     def _wake(self) -> None:
         with self._lock:
             self._wake_pending = False
@@ -272,7 +283,9 @@ class CompletionEngine:
         if not any(c[1] is loop for c in transfer._loop_callbacks):
             return None
         fut: asyncio.Future[TransferResult] = loop.create_future()
-        self._resolver(loop).waiting.setdefault(transfer, []).append(fut)
+        resolver = self._resolver(loop)
+        resolver.waiting.setdefault(transfer, []).append(fut)
+        resolver.requeue(transfer)
         return fut
 
     def watch(self, transfer: Transfer, callback: tuple[Any, asyncio.AbstractEventLoop, Any]

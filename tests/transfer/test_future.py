@@ -412,3 +412,37 @@ async def _await(t: Any) -> kv.TransferResult:
 
 async def _append(out: list[kv.TransferResult], t: kv.Transfer) -> None:
     out.append(await t)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("polled", [False, True])
+async def test_a_cancelled_resolver_loses_no_callback_or_awaiter(
+        setup: tuple[list[np.ndarray], kv.Offloader], gate: Gate, polled: bool,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An app may cancel every task of its loop, kvasync's resolver too, while a transfer
+    has a done-callback from that loop: the transfer completes meanwhile, and a later
+    await of it still runs the callback first and then returns."""
+    from kvasync._backends._host import HostBackend
+
+    if polled:  # as on CUDA: the loop polls the direction itself
+        monkeypatch.setattr(HostBackend, "poll_from_await", True)
+    gpu, _ = setup
+    off = kv.Offloader(kv.KVCacheLayout.from_tensors(gpu), 64, backend="host")
+    try:
+        t = off.store(gpu_blocks=[1], cpu_chunks=[1], stream=gate.stream)
+        seen: list[str] = []
+        t.add_done_callback(lambda _: seen.append("callback"))
+        await asyncio.sleep(0.01)
+        resolvers = [task for task in asyncio.all_tasks()
+                     if task.get_name() == "kvasync-completion"]
+        assert resolvers
+        for task in resolvers:
+            task.cancel()
+        await asyncio.sleep(0.01)
+        gate.open()
+        assert t.wait(PROMPT_S).success
+        r = await asyncio.wait_for(t, PROMPT_S)  # hung before: the new resolver never heard
+        seen.append("await")
+        assert r.success and seen == ["callback", "await"]
+    finally:
+        off.close()
