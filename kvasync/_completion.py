@@ -118,9 +118,8 @@ class _LoopResolver:
     def _set(self) -> None:
         """Wake the resolver: set its event and end a timed wait (`_nap`)."""
         self._event.set()
-        fut = self._nap_fut
-        if fut is not None and not fut.done():
-            fut.set_result(None)
+        if self._nap_fut is not None:
+            _end_nap(self._nap_fut)
 
     async def _nap(self, timeout: float) -> None:
         """Sleep until `_set` or for `timeout` s on a plain future and a loop timer:

@@ -72,9 +72,8 @@ def _bare_rows(ctx: Context, off: Any, cpu: Any, direction: str, page: int, ceil
     ctx.progress(f"{fmt_size(page)} {direction} bare rows")
     torch.cuda.synchronize()
     devs = bare_rows(ctx, off, cpu, direction, hold.cuda_stream, lambda: _hold(torch, hold))
-    devs = devs or []
     dev = statistics.median(devs) if devs else 0.0
-    if dev <= 0:
+    if not devs or dev <= 0:
         return []
     nbytes = off.cpu_tensors[0].shape[1] * len(off.cpu_tensors) * len(cpu)
     gbps = nbytes / dev / 1e9
