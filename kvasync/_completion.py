@@ -186,7 +186,7 @@ class _LoopResolver:
                 soonest = eta - window if soonest is None else min(soonest, eta - window)
             if soonest is None and not late:
                 break
-            if late and late != self._late:  # other heads: poll them now, then slower
+            if late != self._late:  # other heads (or none): poll them now, then slower
                 self._late, self._slow, self._slow_at = frozenset(late), SLOW_POLL, now
             if soonest is not None or now >= self._slow_at:  # a wake alone polls no late head
                 self._poll_all(queues)  # ended before its window: no thread wake needed

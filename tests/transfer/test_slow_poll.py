@@ -14,7 +14,7 @@ import pytest
 from support import BusyLoop
 
 from kvasync._completion import CompletionEngine
-from kvasync._polling import SLOW_POLL_MAX, SPIN_GRACE
+from kvasync._polling import SLOW_POLL, SLOW_POLL_MAX, SPIN_GRACE
 from kvasync._transfer import Transfer, TransferResult
 
 
@@ -140,3 +140,21 @@ def test_a_loop_closed_with_a_late_transfer_awaited_logs_nothing(
         run_and_close()
         gc.collect()  # the loop, its tasks and the transfer go now
     assert "destroyed but it is pending" not in caplog.text, caplog.text
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.asyncio
+async def test_the_slow_interval_starts_over_once_no_head_is_late() -> None:
+    """A head that was late grew the interval; once no head is late the resolver forgets it,
+    so the next launch its lane waits for is polled soon again (`_late` keys on the lane and
+    the prediction, and a not-launched head has none: the same key comes back)."""
+    t1, q = _transfer(10.0, 0.04, 10.0)  # ends, seen by a slow poll, before any prediction
+    assert (await asyncio.wait_for(t1, 10)).success
+    resolver = t1._engine._resolver(asyncio.get_running_loop())
+    assert resolver._slow == SLOW_POLL_MAX
+    t2 = Transfer(2, "d2h", 8, t1._engine)  # the same lane, predicted right: none late
+    now = time.perf_counter()
+    q.transfer, q.launch, q.end, q.eta = t2, now, now + 0.01, now + 0.01
+    t2._poller, t2._eta, t2._window = q, q.eta, 0.25e-3
+    assert (await asyncio.wait_for(t2, 10)).success
+    assert resolver._slow == SLOW_POLL and not resolver._late
