@@ -80,8 +80,12 @@ def released(off: kv.Offloader) -> bool:
 
 
 def run_script(body: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    """Run `body` in a fresh interpreter (a crash there is a return code, not a dead run)."""
-    prelude = textwrap.dedent("""
+    """Run `body` in a fresh interpreter (a crash there is a return code, not a dead run).
+    A script still running 5 s before `timeout` prints every thread's stack to its stderr
+    and exits 1, so a hang fails the test with where it hung."""
+    prelude = textwrap.dedent(f"""
+        import faulthandler
+        faulthandler.dump_traceback_later({max(timeout - 5, 1)}, exit=True)
         import gc, os, signal, sys, threading, time, warnings
         import numpy as np
         import kvasync as kv
