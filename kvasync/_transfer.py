@@ -33,7 +33,6 @@ from ._threadstate import (
     on_library_thread,
     raise_stashed,
     refuse_blocking_wait,
-    sliced_wait,
     stash_base_exception,
 )
 
@@ -205,7 +204,7 @@ class Transfer(FutureMethods):
                 now = time.perf_counter()
         with self._cond:
             left = None if deadline is None else max(0.0, deadline - time.perf_counter())
-            if not sliced_wait(self._cond, self.done, left):  # a Ctrl-C is never lost
+            if not self._cond.wait_for(self.done, left):
                 raise TimeoutError(f"{self!r} did not finish within {timeout} s")
             return self._outcome()
 
