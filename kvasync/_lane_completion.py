@@ -35,7 +35,6 @@ from ._threadstate import (
     mark_library_thread,
     on_library_thread,
     raise_stashed,
-    sliced_wait,
     timed_acquire,
 )
 from ._transfer import Transfer, TransferResult
@@ -274,10 +273,9 @@ class LaneCompletion:
 
     # -- draining and shutdown -----------------------------------------------------------------
     def drain(self, timeout: float | None = None) -> bool:
-        """Block until every submitted transfer completed; False on timeout. Waits in
-        slices (`sliced_wait`), so Ctrl-C always interrupts it."""
+        """Block until every submitted transfer completed; False on timeout."""
         with self._lock:
-            return sliced_wait(self._idle, lambda: self._inflight == 0, timeout)
+            return self._idle.wait_for(lambda: self._inflight == 0, timeout)
 
     @property
     def inflight(self) -> int:

@@ -10,8 +10,6 @@ read it, and it imports nothing of kvasync.
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Callable
 from typing import Any
 
 __all__ = [
@@ -22,7 +20,6 @@ __all__ = [
     "on_library_thread",
     "raise_stashed",
     "refuse_blocking_wait",
-    "sliced_wait",
     "stash_base_exception",
     "timed_acquire",
 ]
@@ -88,23 +85,3 @@ def timed_acquire(lock: Any, timeout: float | None) -> bool:
         return True
     return bool(lock.acquire(timeout=timeout))
 
-
-
-#: longest single wait of `sliced_wait`
-WAIT_SLICE = 0.1
-
-
-def sliced_wait(cond: threading.Condition, pred: Callable[[], bool],
-                timeout: float | None) -> bool:
-    """`cond.wait_for(pred, timeout)` (called with `cond` held) in waits of at most
-    `WAIT_SLICE`: a signal (Ctrl-C) that lands just before a wait blocks is seen only when
-    that wait ends, so one unbounded wait can miss it for good."""
-    deadline = None if timeout is None else time.monotonic() + timeout
-    while not pred():
-        left = WAIT_SLICE
-        if deadline is not None:
-            left = min(left, deadline - time.monotonic())
-            if left <= 0:
-                return False
-        cond.wait(left)
-    return True
