@@ -389,6 +389,9 @@ def test_event_loops_run_inside_a_done_callback(gate: Gate) -> None:
 @pytest.mark.timeout(90)
 def test_ctrl_c_during_close_then_close_again() -> None:
     proc = run_script("""
+        # a runner that starts us in the background (`cmd &` without job control) hands
+        # us SIGINT ignored, and Python then never raises KeyboardInterrupt: install it
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         ev, g = gate()
         gpu, off = make()
         t = off.store(gpu_blocks=[1, 2], cpu_chunks=[1, 2], stream=g)
