@@ -370,10 +370,17 @@ def bare_rows(ctx: Context, off: kv.Offloader, cpu: Any, direction: str, stream_
     if int(sizes.sum()) > ctx.pool_bytes:
         return None
     return bare_row_seconds(ctx.cp, starts, sizes, ctx._ptr(ctx.pool), direction, stream_ptr,
-                            hold, ctx.reps, row_copier(ctx.cp, off))
+                            hold, ctx.reps, row_copier(off))
 
 
-def row_copier(cp: Any, off: kv.Offloader, use_batch: bool = True) -> RowCopy:
+@dataclass(frozen=True)
+class _StreamAt:
+    """The stream at an address, as much of one as `StagedPath._dma` reads (`ptr`)."""
+
+    ptr: int
+
+
+def row_copier(off: kv.Offloader, use_batch: bool = True) -> RowCopy:
     """The staged path's own slab row copy (`StagedPath._dma` of `off`'s CUDA backend: a
     `cudaMemcpyAsync` per run for a lone run or without the batch call, else one
     `cuMemcpyBatchAsync` with its access order and location hints), on the stream at the
@@ -384,6 +391,6 @@ def row_copier(cp: Any, off: kv.Offloader, use_batch: bool = True) -> RowCopy:
 
     def copy(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, stream: int,
              store: bool) -> None:
-        staged._dma(batch, cp.cuda.ExternalStream(stream), src, dst, sizes, store)
+        staged._dma(batch, _StreamAt(stream), src, dst, sizes, store)
 
     return copy

@@ -94,15 +94,14 @@ def bare_row_seconds(cp: Any, starts: np.ndarray, sizes: np.ndarray, dev_ptr: in
     host = np.ascontiguousarray(starts, dtype=np.uint64)
     store = direction == "d2h"
     src, dst = (dev, host) if store else (host, dev)
-    stream = cp.cuda.ExternalStream(stream_ptr)
     out: list[float] = []
     for rep in range(reps + 1):
         start, end = cp.cuda.Event(), cp.cuda.Event()
         hold()
-        start.record(stream)
+        cp.cuda.runtime.eventRecord(start.ptr, stream_ptr)
         for lo, hi in zip(bounds, bounds[1:]):
             copy(src[lo:hi], dst[lo:hi], sizes[lo:hi], stream_ptr, store)
-        end.record(stream)
+        cp.cuda.runtime.eventRecord(end.ptr, stream_ptr)
         end.synchronize()
         if rep:
             out.append(cp.cuda.get_elapsed_time(start, end) / 1e3)

@@ -109,14 +109,13 @@ def test_row_copier_is_the_staged_paths_own_row_copy(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(_cudart, "memcpy_runs", lambda runs, stream: each(list(runs), stream))
     staged = StagedPath(3, None, None, None)  # type: ignore[arg-type]  # _dma needs none
     off: Any = SimpleNamespace(backend=SimpleNamespace(_staged=staged, _batch=batch))
-    cp = SimpleNamespace(cuda=SimpleNamespace(ExternalStream=lambda p: SimpleNamespace(ptr=p)))
     src, dst = np.array([1, 2], np.uint64), np.array([10, 20], np.uint64)
     sizes = np.array([5, 6], np.uint64)
-    row_copier(cp, off)(src, dst, sizes, 99, True)  # a store: device 3 -> host
+    row_copier(off)(src, dst, sizes, 99, True)  # a store: device 3 -> host
     assert len(batch.calls) == 1 and batch.calls[0][3:] == (99, 1, 3, -1) and not each.calls
-    row_copier(cp, off)(src, dst, sizes, 99, False)  # a load: host -> device 3, any order
+    row_copier(off)(src, dst, sizes, 99, False)  # a load: host -> device 3, any order
     assert batch.calls[1][3:] == (99, 3, -1, 3)
-    row_copier(cp, off, use_batch=False)(src, dst, sizes, 7, False)  # one copy per run
-    row_copier(cp, off)(src[:1], dst[:1], sizes[:1], 7, True)  # a lone run: so too
+    row_copier(off, use_batch=False)(src, dst, sizes, 7, False)  # one copy per run
+    row_copier(off)(src[:1], dst[:1], sizes[:1], 7, True)  # a lone run: so too
     assert each.calls == [([(1, 10, 5), (2, 20, 6)], 7), ([(1, 10, 5)], 7)]
     assert len(batch.calls) == 2

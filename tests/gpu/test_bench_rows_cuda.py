@@ -54,7 +54,7 @@ def test_bare_rows_move_the_transfers_rows_both_ways(batch_call: bool) -> None:
         def move(direction: str) -> list[float] | None:
             if batch_call:
                 return bare_rows(ctx, off, cpu, direction, hold.cuda_stream, spin)
-            copy = row_copier(ctx.cp, off, use_batch=False)
+            copy = row_copier(off, use_batch=False)
             return bare_row_seconds(ctx.cp, starts, sizes, int(ctx.pool.data_ptr()),
                                     direction, hold.cuda_stream, spin, 1, copy)
 
