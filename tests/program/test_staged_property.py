@@ -84,18 +84,20 @@ def test_staged_program_matches_oracle(s: dict, data: st.DataObject) -> None:  #
     plan = build_plan(table, s["gpu"], s["cpu"], s["gsizes"], s["bidx"], s["store"],
                       s["num_chunks"])
     span_rows = data.draw(st.integers(1, 4))
-    program = build_staged(plan, s["store"], span_rows * max(row, 1))
-    assert program is not None
-    assert program.nbytes == plan.nbytes
-    got = _compose(table, program, s["store"])
-    # exactly the oracle's bytes: nothing outside a partial chunk's covered sub-blocks
-    assert got == byte_map(expected)
-    # runs are maximal: no two runs of a slab are contiguous on both sides
-    for slab in program.slabs:
-        so, hp, sz = slab.stage_off, slab.host_ptr, slab.sizes
-        order = np.argsort(hp)
-        so, hp, sz = so[order], hp[order], sz[order]
-        assert not ((so[:-1] + sz[:-1] == so[1:]) & (hp[:-1] + sz[:-1] == hp[1:])).any()
+    # both builders: plain Python (what a request this small takes) and NumPy (what every
+    # request over `_SMALL` slots takes), each against the oracle
+    for program in _python_and_numpy(plan, s["store"], span_rows * max(row, 1)):
+        assert program is not None
+        assert program.nbytes == plan.nbytes
+        got = _compose(table, program, s["store"])
+        # exactly the oracle's bytes: nothing outside a partial chunk's covered sub-blocks
+        assert got == byte_map(expected)
+        # runs are maximal: no two runs of a slab are contiguous on both sides
+        for slab in program.slabs:
+            so, hp, sz = slab.stage_off, slab.host_ptr, slab.sizes
+            order = np.argsort(hp)
+            so, hp, sz = so[order], hp[order], sz[order]
+            assert not ((so[:-1] + sz[:-1] == so[1:]) & (hp[:-1] + sz[:-1] == hp[1:])).any()
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -286,3 +288,33 @@ def test_pieces_of_a_plan_on_one_table_move_its_bytes(s: dict, data: st.DataObje
             assert program is not None
             merged.update(_compose(table, program, s["store"]))
         assert merged == byte_map(expected)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from([1, 7, 128]), st.integers(65, 400), st.booleans(), st.data())
+def test_runs_follow_chunk_ids_not_tensors(n_t: int, k: int, store: bool,
+                                           data: st.DataObject) -> None:
+    """Host work is runs, not pages: fully covered rows of distinct chunk ids (a request
+    big enough for the NumPy builder) make one run per maximal set of consecutive ids in a
+    slab, whatever the number of KV tensors."""
+    page, num = 16, 512
+    tensors = [KVTensor(np.zeros((num, page), np.uint8)) for _ in range(n_t)]
+    table = build_ref_table(
+        KVCacheLayout(tensors),
+        SideGeometry([BIG * (t + 1) for t in range(n_t)], [page] * n_t, [0] * n_t,
+                     [num] * n_t, 1),
+        SideGeometry([BIG * 200 + t * page for t in range(n_t)], [n_t * page] * n_t,
+                     [page] * n_t, [num] * n_t, 1),
+        store, False)
+    chunks = data.draw(st.lists(st.integers(0, num - 1), min_size=k, max_size=k, unique=True))
+    blocks = data.draw(st.permutations(list(range(num))))[:k]
+    rows_per_slab = data.draw(st.integers(1, 600))
+    program = build_staged(build_plan(table, blocks, chunks, None, None, store, num), store,
+                           rows_per_slab * n_t * page)
+    assert program is not None
+    ranked = sorted(chunks)
+    for i, slab in enumerate(program.slabs):
+        ids = ranked[i * rows_per_slab : (i + 1) * rows_per_slab]
+        expected = 1 + sum(b != a + 1 for a, b in zip(ids, ids[1:]))
+        assert len(slab.sizes) == expected
+        assert int(slab.sizes.sum()) == len(ids) * n_t * page
