@@ -182,6 +182,35 @@ async def test_injected_fault_on_host_backend() -> None:
     await off.aclose()
 
 
+@pytest.mark.asyncio
+@pytest.mark.parametrize("path", ["auto", "staged"])
+@pytest.mark.parametrize("direction", ["d2h", "h2d"])
+async def test_injected_fault_fails_its_transfer_and_writes_nothing(path: str,
+                                                                   direction: str) -> None:
+    """A device fault on any copy path (the staged program included) surfaces on the
+    transfer that caused it, leaves the destination untouched, and breaks only its
+    direction: the next submission there is refused, the other direction still copies."""
+    gpu, off = _setup()
+    before_gpu = [g.copy() for g in gpu]
+    before_cpu = [c.copy() for c in off.cpu_tensors]
+    off.backend.inject_fault()  # type: ignore[attr-defined]
+    ids = {"gpu_blocks": [3, 1, 2], "cpu_chunks": [0, 5, 6], "path": path}
+    t = off.store(**ids) if direction == "d2h" else off.load(**ids)
+    with pytest.raises(kv.TransferFailedError, match="injected"):
+        await t
+    for a, b in zip(gpu + off.cpu_tensors, before_gpu + before_cpu):
+        assert np.array_equal(a, b)
+    with pytest.raises(kv.OffloaderBrokenError):
+        off.store(**ids) if direction == "d2h" else off.load(**ids)
+    other = off.load(**ids) if direction == "d2h" else off.store(**ids)
+    await other
+    if direction == "d2h":  # the load still ran: GPU blocks now hold the chunks
+        assert np.array_equal(gpu[0][[3, 1, 2]], off.cpu_tensors[0][[0, 5, 6]])
+    else:
+        assert np.array_equal(off.cpu_tensors[0][[0, 5, 6]], gpu[0][[3, 1, 2]])
+    await off.aclose()
+
+
 def test_facade_refuses_non_integer_ids_and_reused_job_ids() -> None:
     from kvasync.compat.vllm import CPULoadStoreSpec, CPUOffloadingWorker, GPULoadStoreSpec
 
