@@ -297,6 +297,54 @@ def test_device_fault_fails_the_transfer_and_aclose_returns() -> None:
     assert "BROKEN True" in out and "CLOSED" in out, out
 
 
+@pytest.mark.parametrize(("path", "direction"), [("staged", "d2h"), ("auto", "h2d")])
+def test_a_staged_pack_or_unpack_fault_fails_its_transfer(path: str, direction: str) -> None:
+    """A fault in a staged transfer's pack (stores) or unpack (loads) kernel, here an
+    illegal staging address, surfaces on that transfer and on the one queued behind it;
+    the offloader is broken and still closes."""
+    out = _run_script(f"""
+        import asyncio, numpy as np, cupy
+        import kvasync as kv
+        from kvasync._backends import _cuda_staged
+        real = _cuda_staged.staging_table
+        def bad_table(table, rows, store, stage_ptr, rows_per_slab):
+            return real(table, rows, store, stage_ptr + (1 << 40), rows_per_slab)
+        xs = [cupy.zeros((64, 16384), cupy.uint8) for _ in range(4)]  # 4 MiB: auto stages
+        off = kv.Offloader(kv.KVCacheLayout.from_tensors(xs), 64, backend="cuda")
+        ids = dict(gpu_blocks=list(range(64)), cpu_chunks=list(range(64)), path="{path}")
+        submit = off.store if "{direction}" == "d2h" else off.load
+        async def main():
+            print("OK", (await submit(**ids)).success)
+            _cuda_staged.staging_table = bad_table
+            bad = submit(**ids)
+            try:
+                behind = submit(**ids)
+            except kv.OffloaderBrokenError:  # the fault already came: refused at once
+                print("BEHIND refused")
+                behind = None
+            for name, t in (("BAD", bad), ("BEHIND", behind)):
+                if t is None:
+                    continue
+                try:
+                    await asyncio.wait_for(_w(t), 60)
+                    print(name, "no error")
+                except kv.TransferFailedError as e:
+                    print(name, "failed", e.job_id == t.job_id, str(e)[:200])
+            print("STAGED", off.backend.counts["staged"])
+            print("BROKEN", off.broken)
+            await asyncio.wait_for(off.aclose(), 60)
+            print("CLOSED")
+        async def _w(t):
+            return await t
+        asyncio.run(main())
+    """)
+    assert "OK True" in out, out
+    assert "BAD failed True" in out and "illegal" in out.lower(), out
+    assert "BEHIND failed True" in out or "BEHIND refused" in out, out
+    assert "STAGED 3" in out or "STAGED 2" in out, out  # each ran staged (auto too)
+    assert "BROKEN True" in out and "CLOSED" in out, out
+
+
 def test_event_error_is_none_for_a_healthy_event(backend: CudaBackend) -> None:
     ev = backend.new_event()
     s = backend.new_stream()

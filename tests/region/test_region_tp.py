@@ -94,9 +94,12 @@ def _canonical_rank(region: SharedHostRegion, gpu: np.ndarray,
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("heads", [8, 2])
+@pytest.mark.parametrize("path", ["auto", "staged"])
 async def test_every_topology_pair_in_one_process(
-    names: Names, layout: str, packed: bool, heads: int
+    names: Names, layout: str, packed: bool, heads: int, path: str
 ) -> None:
+    """Every writer and reader TP degree through one region, on the default path and on
+    the staged program (the region's rows staged as they lie)."""
     blocks, bs, hb = 4, 4, 32
     rng = np.random.default_rng(heads)
     # logical (blocks, K/V, tokens, heads, hb) -> page bytes of the given encoding
@@ -127,16 +130,20 @@ async def test_every_topology_pair_in_one_process(
             woffs = [_canonical_rank(wr[r], shard(writers, r), mapping(writers, r))
                      for r in range(writers)]
             for off in woffs:
-                await off.store(gpu_blocks=list(range(blocks)), cpu_chunks=list(range(blocks)))
+                await off.store(gpu_blocks=list(range(blocks)), cpu_chunks=list(range(blocks)),
+                                path=path)
             np.testing.assert_array_equal(rd[0].raw_view()[:, : 2 * bs * heads * hb],
                                           encode(full))
             for r in range(readers):
                 gpu = np.zeros_like(shard(readers, r))
                 off = _canonical_rank(rd[r], gpu, mapping(readers, r))
-                await off.load(cpu_chunks=list(range(blocks))[::-1], gpu_blocks=list(range(blocks)))
+                await off.load(cpu_chunks=list(range(blocks))[::-1], gpu_blocks=list(range(blocks)),
+                               path=path)
                 np.testing.assert_array_equal(gpu, shard(readers, r)[::-1])
                 await off.aclose()
             for off in woffs:
+                if path == "staged":
+                    assert off.backend.counts["staged"] == 1  # type: ignore[attr-defined]
                 await off.aclose()
             assert not os.path.exists(wr[0].path)
 
