@@ -74,3 +74,14 @@ def test_a_row_larger_than_a_staging_buffer_is_refused_before_enqueue() -> None:
     with pytest.raises(kv.InvalidTransferError, match="staging_bytes"):
         kv.Offloader(kv.KVCacheLayout.from_tensors(gpu), 4, staging_bytes=1)
     off.close()
+
+
+def test_staging_memory_is_bounded_by_default_configurable_and_reported() -> None:
+    """64 MiB per direction by default on CUDA (the class default, read without a GPU);
+    an offloader reports what it was given."""
+    from kvasync._backends._cuda import CudaBackend
+
+    assert CudaBackend.STAGING_BYTES == 64 << 20
+    gpu = [np.zeros((4, 4096), np.uint8) for _ in range(2)]
+    with kv.Offloader(kv.KVCacheLayout.from_tensors(gpu), 4, staging_bytes=3 << 20) as off:
+        assert off.staging_bytes == 3 << 20
