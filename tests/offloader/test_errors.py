@@ -187,9 +187,10 @@ async def test_injected_fault_on_host_backend() -> None:
 @pytest.mark.parametrize("direction", ["d2h", "h2d"])
 async def test_injected_fault_fails_its_transfer_and_writes_nothing(path: str,
                                                                    direction: str) -> None:
-    """A device fault on any copy path (the staged program included) surfaces on the
-    transfer that caused it, leaves the destination untouched, and breaks only its
-    direction: the next submission there is refused, the other direction still copies."""
+    """An injected device fault, on the default path (memmove here) and on the staged
+    program, surfaces on the transfer that caused it, leaves the destination untouched,
+    and breaks only its direction: the next submission there is refused, the other
+    direction still copies."""
     gpu, off = _setup()
     before_gpu = [g.copy() for g in gpu]
     before_cpu = [c.copy() for c in off.cpu_tensors]

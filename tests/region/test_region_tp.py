@@ -140,6 +140,8 @@ async def test_every_topology_pair_in_one_process(
                 await off.load(cpu_chunks=list(range(blocks))[::-1], gpu_blocks=list(range(blocks)),
                                path=path)
                 np.testing.assert_array_equal(gpu, shard(readers, r)[::-1])
+                if path == "staged":
+                    assert off.backend.counts["staged"] == 1  # type: ignore[attr-defined]
                 await off.aclose()
             for off in woffs:
                 if path == "staged":
