@@ -233,10 +233,30 @@ def test_close_is_idempotent() -> None:
 
 
 # -- faults (in a subprocess: an illegal address poisons the whole CUDA context) ---------------
-def _run_script(code: str) -> str:
-    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+def _run_script(code: str, prelude: str = "") -> str:
+    script = textwrap.dedent(prelude) + textwrap.dedent(code)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True,
                          text=True, timeout=180, check=False)
     return out.stdout + "\n--stderr--\n" + out.stderr[-3000:]
+
+
+#: script prelude: `report(name, t)` awaits transfer `t` (None: skipped) and prints
+#: "<name> no error" or "<name> failed <own job id> <a CUDA error> <message>"
+_REPORT = """
+    import asyncio
+    import kvasync as kv
+    async def _w(t):
+        return await t
+    async def report(name, t):
+        if t is None:
+            return
+        try:
+            await asyncio.wait_for(_w(t), 60)
+            print(name, "no error")
+        except kv.TransferFailedError as e:
+            print(name, "failed", e.job_id == t.job_id, "cuda" in str(e).lower(),
+                  str(e)[:200])
+"""
 
 
 def test_device_fault_surfaces_in_event_error() -> None:
@@ -278,19 +298,13 @@ def test_device_fault_fails_the_transfer_and_aclose_returns() -> None:
                              np.asarray([int(x.data.ptr) + (1 << 40)], np.uint64),
                              np.asarray([4096], np.uint64), path="kernel")
             behind = off.load(cpu_chunks=[0], gpu_blocks=[1])
-            for name, t in (("BAD", bad), ("BEHIND", behind)):
-                try:
-                    await asyncio.wait_for(_w(t), 60)
-                    print(name, "no error")
-                except kv.TransferFailedError as e:
-                    print(name, "failed", e.job_id == t.job_id, str(e)[:200])
+            await report("BAD", bad)
+            await report("BEHIND", behind)
             print("BROKEN", off.broken)
             await asyncio.wait_for(off.aclose(), 60)
             print("CLOSED")
-        async def _w(t):
-            return await t
         asyncio.run(main())
-    """)
+    """, _REPORT)
     assert "OK True" in out, out
     assert "BAD failed True" in out and "illegal" in out.lower(), out
     assert "BEHIND failed True" in out, out
@@ -322,23 +336,14 @@ def test_a_staged_pack_or_unpack_fault_fails_its_transfer(path: str, direction: 
             except kv.OffloaderBrokenError:  # the fault already came: refused at once
                 print("BEHIND refused")
                 behind = None
-            for name, t in (("BAD", bad), ("BEHIND", behind)):
-                if t is None:
-                    continue
-                try:
-                    await asyncio.wait_for(_w(t), 60)
-                    print(name, "no error")
-                except kv.TransferFailedError as e:
-                    print(name, "failed", e.job_id == t.job_id, "cuda" in str(e).lower(),
-                          str(e)[:200])
+            await report("BAD", bad)
+            await report("BEHIND", behind)
             print("STAGED", off.backend.counts["staged"])
             print("BROKEN", off.broken)
             await asyncio.wait_for(off.aclose(), 60)
             print("CLOSED")
-        async def _w(t):
-            return await t
         asyncio.run(main())
-    """)
+    """, _REPORT)
     assert "OK True" in out, out
     # BAD's own error names the CUDA failure; the illegal address shows in the output
     assert "BAD failed True True" in out and "illegal" in out.lower(), out
