@@ -196,15 +196,14 @@ async def test_injected_fault_fails_its_transfer_and_writes_nothing(path: str,
     before_cpu = [c.copy() for c in off.cpu_tensors]
     off.backend.inject_fault()  # type: ignore[attr-defined]
     ids = {"gpu_blocks": [3, 1, 2], "cpu_chunks": [0, 5, 6], "path": path}
-    t = off.store(**ids) if direction == "d2h" else off.load(**ids)
+    submit, other = (off.store, off.load) if direction == "d2h" else (off.load, off.store)
     with pytest.raises(kv.TransferFailedError, match="injected"):
-        await t
+        await submit(**ids)
     for a, b in zip(gpu + off.cpu_tensors, before_gpu + before_cpu):
         assert np.array_equal(a, b)
     with pytest.raises(kv.OffloaderBrokenError):
-        off.store(**ids) if direction == "d2h" else off.load(**ids)
-    other = off.load(**ids) if direction == "d2h" else off.store(**ids)
-    await other
+        submit(**ids)
+    await other(**ids)
     if direction == "d2h":  # the load still ran: GPU blocks now hold the chunks
         assert np.array_equal(gpu[0][[3, 1, 2]], off.cpu_tensors[0][[0, 5, 6]])
     else:

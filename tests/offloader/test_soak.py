@@ -51,13 +51,14 @@ def test_soak_random_transfers_match_the_oracle(backend_path: tuple[str, str, fl
     gpu = [mem.rand_u8((blocks, p), seed=i) for i, p in enumerate(pages)]
     groups = [[kv.KVRef(0), kv.KVRef(1)], [kv.KVRef(2), kv.KVRef(3, page_size_bytes=24)]]
     layout = kv.KVCacheLayout([kv.KVTensor(t) for t in gpu], groups)
+    # the soak's transfers move at most 880 B: under auto on CUDA, staging from 400 B up
+    # mixes staged transfers with the other paths' in each lane, as big transfers would
+    mixed = backend == "cuda" and path == "auto"
     with kv.Offloader(layout, chunks, bpc, backend=backend, copy_path=path) as off:
-        if backend == "cuda" and path == "auto":
-            # the soak's transfers move at most 880 B: staging from 400 B up mixes staged
-            # transfers with the other paths' in each lane, as big transfers would
+        if mixed:
             off.backend.STAGED_MIN_BYTES = 400  # type: ignore[attr-defined]
         _soak(off, backend, path, gpu, mem, rng, time_limit, bpc, blocks, chunks)
-        if backend == "cuda" and path == "auto":
+        if mixed:
             counts = off.backend.counts  # type: ignore[attr-defined]
             assert counts["staged"] > 0 and counts["kernel"] + counts["dma"] > 0, counts
     assert off._resources()["completion_threads"] == 0
