@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+from ._calibrate import AutoCalibration, PathMeasurement
 from ._errors import (
     BackendUnavailableError,
     InvalidTransferError,
@@ -32,6 +33,7 @@ from ._transfer import Progress, Transfer, TransferResult
 __version__ = "0.1.0"
 
 __all__ = [
+    "AutoCalibration",
     "BackendUnavailableError",
     "CopyRun",
     "Distribution",
@@ -47,6 +49,7 @@ __all__ = [
     "OffloaderClosedError",
     "OffloaderStats",
     "PageMapping",
+    "PathMeasurement",
     "PathStats",
     "Progress",
     "RegionOverflowError",

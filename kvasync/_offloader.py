@@ -20,6 +20,7 @@ import numpy as np
 
 from ._arguments import ids_by_keyword, layer_spec
 from ._backends import Backend, Direction, HostMemory
+from ._calibrate import AutoCalibration, calibrate_offloader
 from ._completion import CompletionEngine
 from ._errors import OffloaderClosedError
 from ._hostside import build_host_side
@@ -208,10 +209,14 @@ class Offloader:
     #: worst pair: 50% of the bidirectional ceiling at 64 KiB, where DMA both ways made 61%)
     BOTH_WAYS_MEMORY = 0.1
 
-    def _both_ways(self, direction: Direction) -> bool:
-        """Whether the other direction has transfers in flight, or had at a submission in
-        the last `BOTH_WAYS_MEMORY` seconds (its count is read without its lock: a hint)."""
-        return self._lanes.both_ways(direction, self.BOTH_WAYS_MEMORY)
+    def calibrate(self, *, seconds: float = 0.2, keep: float = 0.97,
+                  apply: bool = True) -> AutoCalibration:
+        """Time each copy path alone and beside a compute loop (a GPU matmul) on scratch
+        memory shaped like this layout, and (`apply`) make "auto" prefer, per direction, the
+        path moving the most beside it among those keeping `keep` of its rate. Blocks a
+        few seconds; the KV cache and host copy are not touched (docs/design.md)."""
+        self._submitter.check_open()
+        return calibrate_offloader(self, type(self), seconds, keep, bool(apply))
 
     # -- draining and closing ------------------------------------------------------------------
     async def drain(self) -> None:

@@ -17,7 +17,7 @@ Semantics every backend keeps (they are CUDA's):
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -28,6 +28,7 @@ from .._arrays import allocation_of
 if TYPE_CHECKING:
     from .._arrays import ArrayInfo
     from .._program import TransferPlan
+    from ._calibrated import ComputeLoad, Preference
 
 __all__ = ["Backend", "Direction", "Event", "HostMemory", "Overlap", "Stream"]
 
@@ -199,6 +200,20 @@ class Backend(ABC):
         signalling its layer: per-transfer host cost matters more than bandwidth).
         """
         return self.paths[0] if path == "auto" else path
+
+    def compute_load(self) -> ComputeLoad | None:
+        """A compute loop to time copies beside (`Offloader.calibrate`), not yet started;
+        None where the backend has none."""
+        return None
+
+    def prefer(self, choice: Mapping[str, Preference]) -> None:
+        """Make "auto" take `choice[direction]` where it covers a plan (`preferred`)."""
+        self._preferences = dict(choice)
+
+    def preference(self, direction: Direction) -> Preference | None:
+        """What `prefer` left for `direction` (None: the backend's own rules)."""
+        prefs: dict[str, Preference] | None = self.__dict__.get("_preferences")
+        return prefs.get(direction) if prefs else None
 
     def pin_functions(
         self,

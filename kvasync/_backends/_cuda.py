@@ -193,7 +193,8 @@ class CudaBackend(CudaDevice):
         return choose_auto(direction, plan, urgent, other_busy, layered, self.URGENT_KERNEL,
                            self.CONTENDED_DMA_BYTES, self.STAGED_MIN_BYTES, self._stage,
                            self.calibration, self.STAGED_MAX_PAGE_BYTES,
-                           self.PITCHED_MIN_LINE_BYTES, mean_height, self.PITCHED_MIN_HEIGHT)
+                           self.PITCHED_MIN_LINE_BYTES, mean_height, self.PITCHED_MIN_HEIGHT,
+                           self.preference(direction))
 
     def _stage(self, plan: TransferPlan, direction: Direction) -> bool:
         """Whether "auto" may stage `plan` (its program is built piece by piece later)."""

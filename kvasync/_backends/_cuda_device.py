@@ -31,6 +31,8 @@ from .._errors import BackendUnavailableError, InvalidTransferError, TransferFai
 from .._hostmem import MAX_REGISTER_CHUNK_BYTES, host_memory
 from . import _cudart
 from ._base import Backend, Event, HostMemory, Stream
+from ._calibrated import ComputeLoad
+from ._cuda_load import CudaMatmulLoad
 from ._cudart import cupy
 
 if TYPE_CHECKING:
@@ -335,6 +337,9 @@ class CudaDevice(Backend):
         """A non-blocking stream of ours (`create_stream`), after `warm_up()`."""
         self.warm_up()
         return create_stream(self.device_id)
+
+    def compute_load(self) -> ComputeLoad:
+        return CudaMatmulLoad(self.device_id)  # fp16 matmuls, not yet started
 
     def new_event(self, timing: bool = True) -> Event:
         """A blocking-sync event of ours (`create_event`)."""

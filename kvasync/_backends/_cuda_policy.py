@@ -66,6 +66,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from ._base import Direction, HostMemory, Stream
+from ._calibrated import Preference, preferred
 from ._cuda_device import CudaStream, device
 from ._cudart import cupy
 
@@ -172,7 +173,7 @@ def choose_auto(
     stage: Callable[[TransferPlan, Direction], bool], calibration: Callable[[], Calibration],
     staged_max_page_bytes: int = STAGED_MAX_PAGE_BYTES,
     pitched_min_line_bytes: int = 0, pitch: Callable[[TransferPlan], float] | None = None,
-    pitched_min_height: float = PITCHED_MIN_HEIGHT,
+    pitched_min_height: float = PITCHED_MIN_HEIGHT, pref: Preference | None = None,
 ) -> str:
     """The "auto" rules for `plan` (whose host side is pinned and registered), in order:
     urgent -> kernel; empty -> dma; not layered, pages of at least `pitched_min_line_bytes`
@@ -181,8 +182,10 @@ def choose_auto(
     `staged_max_page_bytes` on average, and `stage(plan, direction)` (which builds the
     staged program, False if the plan cannot be staged) -> staged; the other direction busy
     with big descriptors -> dma; else the calibration's choice (`calibration()` measures at
-    its first call). Reads `plan.nbytes`, `plan.num_descriptors` and what `pitch` and
-    `stage` read; positional arguments: this runs on every submission."""
+    its first call). A calibration beside compute (`pref`, `Offloader.calibrate`) goes
+    ahead of the staged rule where it covers the plan (`preferred`). Reads `plan.nbytes`,
+    `plan.num_descriptors` and what `pitch` and `stage` read; positional arguments: this
+    runs on every submission."""
     nbytes, count = plan.nbytes, plan.num_descriptors
     if urgent and urgent_kernel:
         return "kernel"
@@ -191,6 +194,11 @@ def choose_auto(
     if pitched_min_line_bytes and pitch is not None and not layered \
             and nbytes >= pitched_min_line_bytes * count and pitch(plan) >= pitched_min_height:
         return "pitched"
+    if pref is not None:
+        chosen = preferred(pref, plan, urgent, layered,
+                           lambda path: path != "staged" or stage(plan, direction))
+        if chosen is not None:
+            return chosen
     if staged_min_bytes and nbytes >= staged_min_bytes and not layered \
             and nbytes < staged_max_page_bytes * count and stage(plan, direction):
         return "staged"

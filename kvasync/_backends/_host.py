@@ -30,8 +30,10 @@ from .._program import (
     pitched_lines,
     prepare_staged,
     slab_descriptors,
+    staged_rows,
 )
 from ._base import Backend, Direction, Event, HostMemory, Stream
+from ._calibrated import ComputeLoad, HostMatmulLoad, preferred
 
 if TYPE_CHECKING:
     from .._arrays import ArrayInfo
@@ -293,7 +295,14 @@ class HostBackend(Backend):
         if path == "pitched":
             check_pitchable(plan)
             return path
-        return "memmove"
+        chosen = preferred(self.preference(direction), plan, urgent, layered, lambda p: (
+            p == "memmove" or (p == "staged" and staged_rows(
+                plan, direction == "d2h", self._ring(direction).slab_bytes) is not None)))
+        return chosen or "memmove"
+
+    def compute_load(self) -> ComputeLoad:
+        """NumPy matmuls in a thread (`HostMatmulLoad`), not yet started."""
+        return HostMatmulLoad()
 
     def _ring(self, direction: str) -> _HostRing:
         ring = self._rings.get(direction)

@@ -230,14 +230,17 @@ def test_both_ways_is_remembered_for_a_while(monkeypatch: pytest.MonkeyPatch) ->
         gate = threading.Event()
         compute = HostStream(name="held")
         compute.enqueue(gate.wait)
-        assert not off._both_ways("d2h")  # nothing seen yet
+        def busy(direction: str) -> bool:
+            return off._lanes.both_ways(direction, off.BOTH_WAYS_MEMORY)
+
+        assert not busy("d2h")  # nothing seen yet
         store = off.store(gpu_blocks=[0], cpu_chunks=[0], stream=compute)
-        assert off._both_ways("h2d")  # the store is in flight
+        assert busy("h2d")  # the store is in flight
         gate.set()
         store.wait(10)
-        assert off._both_ways("d2h")  # nothing in flight now, but seen just before
+        assert busy("d2h")  # nothing in flight now, but seen just before
         monkeypatch.setattr(off, "BOTH_WAYS_MEMORY", 0.0)
-        assert not off._both_ways("d2h")
+        assert not busy("d2h")
         compute.close()
 
 

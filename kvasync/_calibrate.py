@@ -1,0 +1,216 @@
+"""Calibrating "auto" on an offloader's own page size, alone and beside a compute load.
+
+`calibrate_offloader` builds a scratch offloader like the caller's (the same backend kind
+and device, the same page size, up to `MAX_TENSORS` KV tensors, scratch memory of its own:
+the caller's KV cache and host copy are never touched), times each copy path that can serve
+the caller's plans alone and then beside the backend's compute load (`Backend.compute_load`:
+a matmul loop on the GPU), ranks them (`rank`) and leaves the winner of each direction in
+the caller's backend (`Backend.prefer`), where "auto" asks it first for transfers of at
+least `MIN_BYTES` with pages near the measured size.
+
+Why beside compute: a server's copies run beside its model's kernels. On the H200 an SM
+copy kernel was the fastest path alone at 4-64 KiB pages and cut a concurrent bf16 matmul
+to 63% of its rate; the copy engines alone keep the matmul but are driver-bound on small
+pages; the staged path kept it at 96-101% while moving 59-77% of the link
+(docs/performance.md). The ranking keeps the model first: among paths that keep at least
+`keep` of the compute rate, the one moving the most bytes beside it wins.
+
+Pitched copies are not measured: where a plan can take them, "auto" keeps choosing them
+by their fixed rule, ahead of a calibration's choice (`_cuda_policy`).
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ._backends._calibrated import Preference
+from ._errors import InvalidTransferError
+from ._layout import KVCacheLayout
+from ._program import row_side
+
+if TYPE_CHECKING:
+    from ._transfer import Transfer
+
+__all__ = ["AutoCalibration", "PathMeasurement", "calibrate_offloader", "rank"]
+
+#: KV tensors of the scratch layout at most (a transfer's descriptors grow with them)
+MAX_TENSORS = 64
+#: bytes per measured transfer, and transfers kept in flight (as the bench's interference)
+TRANSFER_BYTES = 64 << 20
+INFLIGHT = 4
+#: the smallest transfer a calibration's choice applies to: below it a transfer's fixed
+#: host cost decides, and the backend's own rules stay
+MIN_BYTES = 2 << 20
+#: paths a calibration may choose, in tie order (copy engines first: they leave the SMs)
+CANDIDATES = ("staged", "dma", "memmove", "kernel")
+#: beside-compute rates within this share of the best count as a tie (then: rate alone)
+TIE = 0.02
+
+
+@dataclass(frozen=True)
+class PathMeasurement:
+    """One copy path in one direction: GB/s alone and beside the compute load, and the
+    compute load's rate beside it over its rate alone (`kept`)."""
+
+    direction: str
+    path: str
+    gbps_alone: float
+    gbps_beside: float
+    kept: float
+
+
+@dataclass(frozen=True)
+class AutoCalibration:
+    """What `Offloader.calibrate` measured and chose (`choice`: direction -> path)."""
+
+    page_bytes: int
+    tensors: int
+    transfer_bytes: int
+    keep: float
+    measurements: tuple[PathMeasurement, ...]
+    choice: dict[str, str]
+    seconds: float
+    notes: list[str] = field(default_factory=list)
+
+    def table(self) -> str:
+        """The measurements as a text table, the chosen path of each direction marked."""
+        lines = [f"{'direction':9} {'path':8} {'alone GB/s':>10} {'beside GB/s':>11} "
+                 f"{'compute kept':>12}"]
+        for m in self.measurements:
+            mark = "  <- auto" if self.choice.get(m.direction) == m.path else ""
+            lines.append(f"{m.direction:9} {m.path:8} {m.gbps_alone:10.2f} "
+                         f"{m.gbps_beside:11.2f} {m.kept:12.3f}{mark}")
+        return "\n".join(lines)
+
+
+def rank(measurements: Sequence[PathMeasurement], keep: float) -> dict[str, str]:
+    """Per direction, the path "auto" should prefer: among those keeping at least `keep`
+    of the compute rate, the most GB/s beside it (within `TIE`: the most alone, then
+    `CANDIDATES` order); where none keeps that much, the one keeping the most."""
+    choice: dict[str, str] = {}
+    for direction in dict.fromkeys(m.direction for m in measurements):
+        rows = [m for m in measurements if m.direction == direction]
+        order = {p: i for i, p in enumerate(CANDIDATES)}
+        eligible = [m for m in rows if m.kept >= keep and m.gbps_beside > 0]
+        if eligible:
+            top = max(m.gbps_beside for m in eligible)
+            near = [m for m in eligible if m.gbps_beside >= top * (1 - TIE)]
+            best = max(near, key=lambda m: (m.gbps_alone, -order.get(m.path, 99)))
+        else:
+            best = max(rows, key=lambda m: (m.kept, -order.get(m.path, 99)))
+        choice[direction] = best.path
+    return choice
+
+
+def check_arguments(seconds: Any, keep: Any) -> None:
+    """`seconds` in (0, 10] and `keep` in (0, 1], as numbers."""
+    for name, value, high in (("seconds", seconds, 10.0), ("keep", keep, 1.0)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or not 0 < value <= high:
+            raise InvalidTransferError(
+                f"{name} must be a number in (0, {high:g}], got {value!r}")
+
+
+def calibrate_offloader(off: Any, make: Callable[..., Any], seconds: float, keep: float,
+                        apply: bool) -> AutoCalibration:
+    """The calibration of the offloader `off` (module docstring); `make` (its class)
+    builds the scratch offloader."""
+    check_arguments(seconds, keep)
+    backend = off.backend
+    if backend.name not in ("host", "cuda"):
+        raise InvalidTransferError(
+            f"calibrate() runs on the host and cuda backends, not {backend.name!r}")
+    t_start = time.perf_counter()
+    page = Counter(t.page for t in off.layout.tensors).most_common(1)[0][0]
+    count = min(len(off.layout.tensors), MAX_TENSORS)
+    per_transfer = max(1, TRANSFER_BYTES // (count * page))
+    blocks = 2 * per_transfer
+    rows = row_side(off._tables["d2h"], True) is not None
+    paths = [p for p in CANDIDATES if p in backend.paths and (p != "staged" or rows)]
+    load = backend.compute_load()
+    if load is None:
+        raise InvalidTransferError(f"the {backend.name} backend has no compute load")
+    rng = np.random.default_rng(0)
+    ids = [(rng.permutation(blocks)[:per_transfer], rng.permutation(blocks)[:per_transfer])
+           for _ in range(4)]
+    notes: list[str] = []
+    old_switch = sys.getswitchinterval()
+    scratch: Any = None
+    try:
+        scratch = make(KVCacheLayout.from_tensors(_scratch(backend, count, blocks, page)),
+                       num_cpu_chunks=blocks, backend=backend.name,
+                       staging_bytes=off.staging_bytes or None)
+        sys.setswitchinterval(min(old_switch, 0.0005))  # the load's feeder keeps its queue
+
+        def gbps(d: str, p: str) -> float:
+            assert scratch is not None
+            return _gbps(scratch, d, p, ids, load.side, seconds, notes)
+
+        alone = {(d, p): gbps(d, p) for d in ("d2h", "h2d") for p in paths}
+        load.start()
+        compute = [load.rate(lambda: time.sleep(seconds))[0]]
+        beside = {(d, p): load.rate(partial(gbps, d, p))
+                  for (d, p), rate in alone.items() if rate > 0}
+        compute.append(load.rate(lambda: time.sleep(seconds))[0])
+    finally:
+        sys.setswitchinterval(old_switch)
+        load.close()
+        if scratch is not None:
+            scratch.close()
+    ref = statistics.mean(compute)
+    measured = tuple(
+        PathMeasurement(d, p, round(alone[d, p], 3), round(gbps, 3),
+                        round(rate / ref, 3) if ref > 0 else 0.0)
+        for (d, p), (rate, gbps) in beside.items())
+    choice = rank(measured, keep)
+    if apply:
+        backend.prefer({d: Preference(p, page, MIN_BYTES) for d, p in choice.items()})
+    return AutoCalibration(page, count, per_transfer * count * page, keep, measured, choice,
+                           round(time.perf_counter() - t_start, 3), notes)
+
+
+def _scratch(backend: Any, count: int, blocks: int, page: int) -> list[Any]:
+    """`count` zeroed (blocks, page) byte arrays in the backend's device memory."""
+    if backend.name == "host":
+        return [np.zeros((blocks, page), np.uint8) for _ in range(count)]
+    from ._backends._cudart import cupy
+
+    cp = cupy()
+    with cp.cuda.Device(backend.device_id):
+        return [cp.zeros((blocks, page), cp.uint8) for _ in range(count)]
+
+
+def _gbps(off: Any, direction: str, path: str, ids: list[tuple[Any, Any]], side: Any,
+          seconds: float, notes: list[str]) -> float:
+    """GB/s of transfers of `ids` (cycled, `INFLIGHT` in flight, waiting on `side`) for at
+    least `seconds` after one warm-up transfer; 0.0 where the path refuses them."""
+    submit: Callable[..., Transfer] = off.store if direction == "d2h" else off.load
+
+    def one(i: int) -> Transfer:
+        gpu, cpu = ids[i % len(ids)]
+        return submit(gpu_blocks=gpu, cpu_chunks=cpu, path=path, stream=side)
+
+    try:
+        one(0).wait(60)
+    except InvalidTransferError as exc:
+        notes.append(f"{direction} {path}: {exc}")
+        return 0.0
+    inflight: deque[Transfer] = deque()
+    moved, i, t0 = 0, 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds or i < INFLIGHT:
+        inflight.append(one(i))
+        i += 1
+        if len(inflight) >= INFLIGHT:
+            moved += inflight.popleft().wait(60).bytes
+    while inflight:
+        moved += inflight.popleft().wait(60).bytes
+    return moved / (time.perf_counter() - t0) / 1e9

@@ -1,0 +1,211 @@
+"""`Offloader.calibrate()`: paths timed alone and beside a compute load, ranked, preferred.
+
+The host backend runs the whole calibration (NumPy matmuls in a thread as its compute load);
+the ranking and the rule that applies a preference are checked against plain cases.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kvasync as kv
+from kvasync import _calibrate
+from kvasync._backends._calibrated import Preference, preferred, work_in_window
+from kvasync._calibrate import rank
+
+PAGE = 16 << 10
+M = kv.PathMeasurement
+
+
+@pytest.fixture(autouse=True)
+def _small(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_calibrate, "TRANSFER_BYTES", 1 << 20)  # CI: 2 MiB of scratch
+
+
+def _offloader(tensors: int = 8, blocks: int = 48, **kw: object) -> kv.Offloader:
+    rng = np.random.default_rng(1)
+    views = [rng.integers(0, 255, (blocks, PAGE), dtype=np.uint8) for _ in range(tensors)]
+    return kv.Offloader(kv.KVCacheLayout.from_tensors(views), num_cpu_chunks=blocks,
+                        backend="host", **kw)  # type: ignore[arg-type]
+
+
+def _library_threads() -> set[str]:
+    return {t.name for t in threading.enumerate() if t.name.startswith("kvasync")}
+
+
+# -- the ranking ------------------------------------------------------------------------------
+def test_rank_takes_the_most_bytes_beside_among_paths_keeping_the_compute() -> None:
+    rows = [M("d2h", "kernel", 50.0, 40.0, 0.60), M("d2h", "dma", 20.0, 19.0, 0.99),
+            M("d2h", "staged", 52.0, 45.0, 0.98), M("h2d", "kernel", 50.0, 48.0, 0.97),
+            M("h2d", "staged", 51.0, 30.0, 0.99)]
+    assert rank(rows, 0.97) == {"d2h": "staged", "h2d": "kernel"}
+    assert rank(rows, 0.985) == {"d2h": "dma", "h2d": "staged"}
+
+
+def test_rank_breaks_a_near_tie_by_the_rate_alone_then_copy_engines_first() -> None:
+    rows = [M("d2h", "dma", 40.0, 44.5, 1.0), M("d2h", "staged", 50.0, 45.0, 1.0)]
+    assert rank(rows, 0.97) == {"d2h": "staged"}  # 44.5 is within 2% of 45
+    rows = [M("d2h", "kernel", 50.0, 45.0, 1.0), M("d2h", "staged", 50.0, 45.0, 1.0)]
+    assert rank(rows, 0.97) == {"d2h": "staged"}
+    rows = [M("d2h", "dma", 60.0, 40.0, 1.0), M("d2h", "staged", 50.0, 45.0, 1.0)]
+    assert rank(rows, 0.97) == {"d2h": "staged"}  # 40 is not near 45
+
+
+def test_rank_without_a_path_keeping_the_compute_takes_the_one_keeping_most() -> None:
+    rows = [M("h2d", "kernel", 50.0, 49.0, 0.50), M("h2d", "dma", 5.0, 4.0, 0.90)]
+    assert rank(rows, 0.97) == {"h2d": "dma"}
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["d2h", "h2d"]),
+                          st.sampled_from(["kernel", "dma", "staged", "memmove"]),
+                          st.floats(0, 100), st.floats(0, 100), st.floats(0, 1.5)),
+                min_size=1, max_size=12, unique_by=lambda r: (r[0], r[1])),
+       st.floats(0.5, 1.0))
+def test_rank_matches_a_plain_oracle(rows: list[tuple[str, str, float, float, float]],
+                                     keep: float) -> None:
+    measured = [M(*r) for r in rows]
+    got = rank(measured, keep)
+    for direction in {r[0] for r in rows}:
+        mine = [m for m in measured if m.direction == direction]
+        good = [m for m in mine if m.kept >= keep and m.gbps_beside > 0]
+        pick = next(m for m in mine if m.path == got[direction])
+        if good:
+            best = max(m.gbps_beside for m in good)
+            assert pick in good and pick.gbps_beside >= best * 0.98
+            near = [m for m in good if m.gbps_beside >= best * 0.98]
+            assert pick.gbps_alone == max(m.gbps_alone for m in near)
+        else:
+            assert pick.kept == max(m.kept for m in mine)
+    assert set(got) == {r[0] for r in rows}
+
+
+# -- where a preference applies ------------------------------------------------------------------
+class _Plan:
+    def __init__(self, nbytes: int, count: int) -> None:
+        self.nbytes, self.num_descriptors = nbytes, count
+
+
+@pytest.mark.parametrize(("nbytes", "count", "urgent", "layered", "takes", "want"), [
+    (4 << 20, 256, False, False, True, "staged"),     # 16 KiB pages, 4 MiB
+    (1 << 20, 64, False, False, True, None),          # below min_bytes
+    (4 << 20, 256, True, False, True, None),          # urgent
+    (4 << 20, 256, False, True, True, None),          # one layer of a layer-wise load
+    (4 << 20, 256, False, False, False, None),        # the path cannot take the plan
+    (4 << 20, 1024, False, False, True, None),        # 4 KiB pages: too far from 16 KiB
+    (4 << 20, 128, False, False, True, "staged"),     # 32 KiB pages: within 2x
+    (4 << 20, 32, False, False, True, None),          # 128 KiB pages
+    (0, 0, False, False, True, None),                 # empty
+])
+def test_a_preference_covers_big_transfers_of_pages_near_its_size(
+        nbytes: int, count: int, urgent: bool, layered: bool, takes: bool,
+        want: str | None) -> None:
+    pref = Preference("staged", PAGE, 2 << 20)
+    plan = _Plan(nbytes, count)
+    assert preferred(pref, plan, urgent, layered, lambda p: takes) == want  # type: ignore[arg-type]
+    assert preferred(None, plan, urgent, layered, lambda p: True) is None  # type: ignore[arg-type]
+
+
+def test_work_in_window_counts_straddling_units_by_their_share() -> None:
+    ends = [0.0, 1.0, 2.0, 3.0, 4.0]
+    assert work_in_window(ends, 0.0, 4.0) == 4.0
+    assert work_in_window(ends, 0.5, 2.5) == pytest.approx(2.0)
+    assert work_in_window(ends, 5.0, 6.0) == 0.0
+    assert work_in_window([0.0], 0.0, 1.0) == 0.0
+
+
+# -- the whole calibration on the host backend -------------------------------------------------
+def test_calibrate_measures_every_path_both_ways_and_auto_follows_its_choice() -> None:
+    before = _library_threads()
+    with _offloader() as off:
+        gpu = [np.array(t.obj, copy=True) for t in (x.info for x in off.layout.tensors)]
+        host = [np.array(v, copy=True) for v in off.cpu_tensors]
+        cal = off.calibrate(seconds=0.05)
+        # the offloader's own KV cache and host copy are untouched
+        for t, want in zip(off.layout.tensors, gpu):
+            assert np.array_equal(t.info.obj, want)
+        for v, want in zip(off.cpu_tensors, host):
+            assert np.array_equal(v, want)
+        assert {(m.direction, m.path) for m in cal.measurements} == {
+            (d, p) for d in ("d2h", "h2d") for p in ("memmove", "staged")}
+        for m in cal.measurements:
+            assert m.gbps_alone > 0 and m.gbps_beside > 0, m
+            assert 0 < m.kept < 3 and math.isfinite(m.kept), m
+        assert cal.choice == rank(cal.measurements, 0.97)
+        assert (cal.page_bytes, cal.tensors, cal.keep) == (PAGE, 8, 0.97)
+        assert cal.transfer_bytes == 1 << 20 and cal.seconds > 0
+        assert "<- auto" in cal.table() and cal.table().count("\n") == 4
+        for direction in ("d2h", "h2d"):
+            assert off.backend.preference(direction) == Preference(  # type: ignore[arg-type]
+                cal.choice[direction], PAGE, _calibrate.MIN_BYTES)
+        # auto takes the choice for a big transfer, memmove for a small one
+        ids = list(range(40))  # 40 x 8 x 16 KiB = 5 MiB
+        for direction, call in (("d2h", off.store), ("h2d", off.load)):
+            counts = dict(off.backend.counts)  # type: ignore[attr-defined]
+            call(gpu_blocks=ids, cpu_chunks=ids).wait(10)
+            call(gpu_blocks=[1], cpu_chunks=[1]).wait(10)
+            ran = {k: v - counts[k] for k, v in off.backend.counts.items()}  # type: ignore[attr-defined]
+            want = {"memmove": 1, "staged": 0, "pitched": 0}
+            want[cal.choice[direction]] += 1
+            assert ran == want, (direction, cal.choice)
+        assert np.array_equal(off.layout.tensors[3].info.obj[7], gpu[3][7])
+    assert _library_threads() <= before
+
+
+def test_a_staged_preference_moves_the_right_bytes_and_small_transfers_stay() -> None:
+    with _offloader() as off:
+        off.backend.prefer({d: Preference("staged", PAGE, 2 << 20) for d in ("d2h", "h2d")})
+        src = [np.array(t.info.obj, copy=True) for t in off.layout.tensors]
+        ids = list(range(20, 40))
+        off.store(gpu_blocks=ids, cpu_chunks=list(range(20))).wait(10)
+        off.load(cpu_chunks=list(range(20)), gpu_blocks=list(range(20))).wait(10)
+        assert off.backend.counts["staged"] == 2  # type: ignore[attr-defined]
+        for t, s in zip(off.layout.tensors, src):
+            assert np.array_equal(t.info.obj[:20], s[20:40])
+            assert np.array_equal(t.info.obj[20:], s[20:])
+        off.store(gpu_blocks=ids, cpu_chunks=ids, urgent=True).wait(10)
+        assert off.backend.counts["staged"] == 2  # type: ignore[attr-defined]
+
+
+def test_without_host_rows_staged_is_neither_measured_nor_taken() -> None:
+    rng = np.random.default_rng(2)
+    views = [rng.integers(0, 255, (32, PAGE), dtype=np.uint8) for _ in range(4)]
+    host = [np.zeros((32, PAGE), np.uint8) for _ in range(4)]
+    with kv.Offloader(kv.KVCacheLayout.from_tensors(views), backend="host",
+                      host_tensors=host) as off:
+        cal = off.calibrate(seconds=0.02, apply=False)
+        assert {m.path for m in cal.measurements} == {"memmove"}
+        assert cal.choice == {"d2h": "memmove", "h2d": "memmove"}
+        assert off.backend.preference("d2h") is None  # apply=False leaves none
+        off.backend.prefer({"d2h": Preference("staged", PAGE, 1 << 20)})
+        off.store(gpu_blocks=list(range(32)), cpu_chunks=list(range(32))).wait(10)
+        assert off.backend.counts["staged"] == 0  # type: ignore[attr-defined]
+        assert np.array_equal(host[2], views[2])
+
+
+@pytest.mark.parametrize(("kw", "match"), [
+    ({"seconds": 0}, "seconds"), ({"seconds": -1.0}, "seconds"),
+    ({"seconds": float("nan")}, "seconds"), ({"seconds": True}, "seconds"),
+    ({"seconds": "1"}, "seconds"), ({"seconds": 11}, "seconds"),
+    ({"keep": 0}, "keep"), ({"keep": 1.5}, "keep"), ({"keep": None}, "keep"),
+])
+def test_bad_arguments_are_refused_before_anything_runs(kw: dict[str, object],
+                                                        match: str) -> None:
+    with _offloader() as off:
+        with pytest.raises(kv.InvalidTransferError, match=match):
+            off.calibrate(**kw)  # type: ignore[arg-type]
+        assert off.backend.preference("d2h") is None
+        assert "kvasync-compute-load" not in _library_threads()
+
+
+def test_a_closed_offloader_refuses_to_calibrate() -> None:
+    off = _offloader()
+    off.close()
+    with pytest.raises(kv.OffloaderClosedError):
+        off.calibrate()
