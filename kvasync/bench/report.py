@@ -13,8 +13,8 @@ from .common import HOST_LABEL, Row, Run, fmt_size
 
 __all__ = ["render", "summary"]
 
-_ORDER = ("bandwidth", "pipeline", "interference", "bidirectional", "latency", "cpu", "hostcost",
-          "priority", "layerwise", "rate")
+_ORDER = ("bandwidth", "pipeline", "interference", "calibrate", "bidirectional", "latency", "cpu",
+          "hostcost", "priority", "layerwise", "rate")
 
 
 def _table(title: str, heads: Iterable[str], lines: list[list[str]]) -> list[str]:
@@ -81,6 +81,17 @@ def _interference(rows: list[Row]) -> list[str]:
               f"{r.value('tflops'):.0f}", _num(r.gbps), str(r.extra.get("ran", "?"))]
              for r in rows if r.path != "matmul-alone"]
     return _table(title, ["page", "dir", "path", "matmul kept", "link", "TFLOP/s", "GB/s", "ran"],
+                  lines)
+
+
+def _calibrate(rows: list[Row]) -> list[str]:
+    lines = [[fmt_size(r.page_bytes), r.direction, r.path,
+              f"{r.value('alone_ratio'):.0%}", f"{r.ratio or 0:.0%}",
+              f"{r.extra.get('tflops_ratio', 0):.0%}", "auto" if r.extra.get("chosen") else "",
+              f"{r.value('seconds'):.1f}"] for r in rows]
+    return _table("Offloader.calibrate(): link share alone and beside its compute load, the "
+                  "load's kept share, the path auto prefers:",
+                  ["page", "dir", "path", "alone", "beside", "load kept", "chosen", "took s"],
                   lines)
 
 
@@ -177,6 +188,7 @@ def _generic(rows: list[Row]) -> list[str]:
 
 _RENDER: dict[str, Callable[[list[Row]], list[str]]] = {
     "bandwidth": _bandwidth, "pipeline": _pipeline, "interference": _interference,
+    "calibrate": _calibrate,
     "bidirectional": _bidirectional,
     "latency": _latency, "cpu": _cpu, "hostcost": _hostcost, "priority": _priority,
     "layerwise": _layerwise, "rate": _rate,

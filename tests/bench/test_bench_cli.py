@@ -78,8 +78,14 @@ def test_quick_run_writes_a_valid_bench_json(quick_run: tuple[Path, Any]) -> Non
         assert row["path"] != "error", row
     sections = {r["section"] for r in rows}
     # (+ "remote" where NIXL is installed)
-    assert sections - {"remote"} == {"bandwidth", "bidirectional", "latency", "hostcost",
-                                     "priority", "rate"}
+    assert sections - {"remote"} == {"bandwidth", "calibrate", "bidirectional", "latency",
+                                     "hostcost", "priority", "rate"}
+    cal = [r for r in rows if r["section"] == "calibrate"]
+    assert {(r["direction"], r["path"]) for r in cal} == {
+        (d, p) for d in ("d2h", "h2d") for p in ("memmove", "staged")}
+    for d in ("d2h", "h2d"):  # one path chosen per direction, each row measured
+        assert sum(r["extra"]["chosen"] for r in cal if r["direction"] == d) == 1
+    assert all(r["ratio"] > 0 and 0 < r["extra"]["tflops_ratio"] < 3 for r in cal)
     bw = {(r["direction"], r["page_bytes"], r["path"]): r for r in rows
           if r["section"] == "bandwidth"}
     for d in ("h2d", "d2h"):

@@ -11,6 +11,7 @@ from ..common import Section
 from . import (
     bandwidth,
     bidirectional,
+    calibrate,
     hostcost,
     interference,
     latency,
@@ -29,6 +30,7 @@ SECTIONS: dict[str, Section] = {
         bandwidth.SECTION,
         pipeline.SECTION,
         interference.SECTION,
+        calibrate.SECTION,
         bidirectional.SECTION,
         latency.LATENCY,
         latency.CPU,
