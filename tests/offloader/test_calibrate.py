@@ -209,3 +209,15 @@ def test_a_closed_offloader_refuses_to_calibrate() -> None:
     off.close()
     with pytest.raises(kv.OffloaderClosedError):
         off.calibrate()
+
+
+@pytest.mark.asyncio
+async def test_calibrate_runs_from_a_coroutine_as_a_notebook_cell_does() -> None:
+    """Jupyter runs a cell's plain calls on its event loop's thread: the calibration's own
+    waits must work there, and the offloader serves awaits afterwards."""
+    async with _offloader() as off:
+        cal = off.calibrate(seconds=0.02)
+        assert set(cal.choice) == {"d2h", "h2d"}
+        ids = list(range(20))
+        result = await off.store(gpu_blocks=ids, cpu_chunks=ids)
+        assert result.success and result.bytes == 20 * 8 * PAGE
