@@ -163,9 +163,10 @@ def calibrate_offloader(off: Any, make: Callable[..., Any], seconds: float, keep
         compute.append(load.rate(lambda: time.sleep(seconds))[0])
     finally:
         sys.setswitchinterval(old_switch)
-        load.close()
         if scratch is not None:
             scratch.close()
+        scratch = None  # its scratch arrays go before the load hands device memory back
+        load.close()
     ref = statistics.mean(compute)
     measured = tuple(
         PathMeasurement(d, p, round(alone[d, p], 3), round(gbps, 3),

@@ -38,7 +38,7 @@ class CudaMatmulLoad(ComputeLoad):
             self._b = rng.standard_normal((n, n), dtype=cp.float32).astype(cp.float16)
             self._c = cp.empty((n, n), dtype=cp.float16)
             cp.cuda.Device(device_id).synchronize()
-            self._base = cp.cuda.Event()
+            self._base = cp.cuda.Event(block=True)
             self._base.record(self._stream)
         self._events: list[Any] = []
 
@@ -48,7 +48,7 @@ class CudaMatmulLoad(ComputeLoad):
         with cp.cuda.Device(self._device_id), self._stream:
             while not self._stop.is_set():
                 cp.matmul(self._a, self._b, out=self._c)
-                ev = cp.cuda.Event()  # timing, blocking sync: `synchronize` sleeps
+                ev = cp.cuda.Event(block=True)  # timing; `synchronize` sleeps, no spin
                 ev.record(self._stream)
                 self._events.append(ev)
                 pending.append(ev)
@@ -68,7 +68,7 @@ class CudaMatmulLoad(ComputeLoad):
     def _mark(self) -> Callable[[], float]:
         cp = cupy()
         with cp.cuda.Device(self._device_id):
-            ev = cp.cuda.Event()
+            ev = cp.cuda.Event(block=True)
             ev.record(self.side)
 
         def at() -> float:
@@ -78,5 +78,9 @@ class CudaMatmulLoad(ComputeLoad):
         return at
 
     def close(self) -> None:
+        """Stop the feeder, then hand the matmul's memory back to the device (CuPy's pool
+        would keep it from the model: `cudaFree` through `free_all_blocks`)."""
         super().close()
         self._events.clear()
+        self._a = self._b = self._c = None
+        cupy().get_default_memory_pool().free_all_blocks()
