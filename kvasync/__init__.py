@@ -13,6 +13,7 @@ from __future__ import annotations
 from ._calibrate import AutoCalibration, PathMeasurement
 from ._errors import (
     BackendUnavailableError,
+    CalibrationError,
     InvalidTransferError,
     KVAsyncError,
     OffloaderBrokenError,
@@ -35,6 +36,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AutoCalibration",
     "BackendUnavailableError",
+    "CalibrationError",
     "CopyRun",
     "Distribution",
     "InvalidTransferError",

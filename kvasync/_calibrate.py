@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import statistics
 import sys
+import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
@@ -32,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ._backends._calibrated import Preference
+from ._backends._calibrated import ComputeLoad, Preference
 from ._errors import InvalidTransferError
 from ._layout import KVCacheLayout
 from ._program import row_side
@@ -54,6 +55,9 @@ MIN_BYTES = 2 << 20
 CANDIDATES = ("staged", "dma", "memmove", "kernel")
 #: beside-compute rates within this share of the best count as a tie (then: rate alone)
 TIE = 0.02
+#: (direction, path)
+Key = tuple[str, str]
+_ONE_AT_A_TIME = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -94,20 +98,20 @@ class AutoCalibration:
 
 def rank(measurements: Sequence[PathMeasurement], keep: float) -> dict[str, str]:
     """Per direction, the path "auto" should prefer: among those keeping at least `keep`
-    of the compute rate, the most GB/s beside it (within `TIE`: the most alone, then
-    `CANDIDATES` order); where none keeps that much, the one keeping the most."""
+    of the compute rate, the most GB/s beside it; where none keeps that much, among those
+    keeping within `TIE` of the most kept, the same. Near-ties in GB/s beside (within
+    `TIE`) go to the most GB/s alone, then to `CANDIDATES` order."""
+    order = {p: i for i, p in enumerate(CANDIDATES)}
     choice: dict[str, str] = {}
     for direction in dict.fromkeys(m.direction for m in measurements):
         rows = [m for m in measurements if m.direction == direction]
-        order = {p: i for i, p in enumerate(CANDIDATES)}
-        eligible = [m for m in rows if m.kept >= keep and m.gbps_beside > 0]
-        if eligible:
-            top = max(m.gbps_beside for m in eligible)
-            near = [m for m in eligible if m.gbps_beside >= top * (1 - TIE)]
-            best = max(near, key=lambda m: (m.gbps_alone, -order.get(m.path, 99)))
-        else:
-            best = max(rows, key=lambda m: (m.kept, -order.get(m.path, 99)))
-        choice[direction] = best.path
+        pool = [m for m in rows if m.kept >= keep and m.gbps_beside > 0]
+        if not pool:
+            most = max(m.kept for m in rows)
+            pool = [m for m in rows if m.kept >= most - TIE]
+        top = max(m.gbps_beside for m in pool)
+        near = [m for m in pool if m.gbps_beside >= top * (1 - TIE)]
+        choice[direction] = max(near, key=lambda m: (m.gbps_alone, -order.get(m.path, 99))).path
     return choice
 
 
@@ -135,7 +139,8 @@ def calibrate_offloader(off: Any, make: Callable[..., Any], seconds: float, keep
     per_transfer = max(1, TRANSFER_BYTES // (count * page))
     blocks = 2 * per_transfer
     rows = row_side(off._tables["d2h"], True) is not None
-    paths = [p for p in CANDIDATES if p in backend.paths and (p != "staged" or rows)]
+    paths = [p for p in CANDIDATES if p in backend.paths and (p != "staged" or rows)
+             and (p != "kernel" or off.host_pinned)]  # the kernel reads pinned memory only
     load = backend.compute_load()
     if load is None:
         raise InvalidTransferError(f"the {backend.name} backend has no compute load")
@@ -143,6 +148,27 @@ def calibrate_offloader(off: Any, make: Callable[..., Any], seconds: float, keep
     ids = [(rng.permutation(blocks)[:per_transfer], rng.permutation(blocks)[:per_transfer])
            for _ in range(4)]
     notes: list[str] = []
+    with _ONE_AT_A_TIME:  # two compute loops would measure each other
+        compute, alone, beside = _measure(off, make, load, paths, ids, page, count, blocks,
+                                          seconds, notes)
+    ref = statistics.mean(compute)
+    measured = tuple(
+        PathMeasurement(d, p, round(alone[d, p], 3), round(gbps, 3), round(rate / ref, 3))
+        for (d, p), (rate, gbps) in beside.items())
+    choice = rank(measured, keep)
+    if apply:
+        backend.prefer({d: Preference(p, page, MIN_BYTES) for d, p in choice.items()})
+    return AutoCalibration(page, count, per_transfer * count * page, keep, measured, choice,
+                           round(time.perf_counter() - t_start, 3), notes)
+
+
+def _measure(off: Any, make: Callable[..., Any], load: ComputeLoad, paths: list[str],
+             ids: list[tuple[Any, Any]], page: int, count: int, blocks: int, seconds: float,
+             notes: list[str]) -> tuple[list[float], dict[Key, float],
+                                        dict[Key, tuple[float, float]]]:
+    """(the load's rate alone before and after, GB/s per path alone, (the load's rate,
+    GB/s) per path beside it), on a scratch offloader `make` builds like `off`."""
+    backend = off.backend
     old_switch = sys.getswitchinterval()
     scratch: Any = None
     try:
@@ -167,16 +193,7 @@ def calibrate_offloader(off: Any, make: Callable[..., Any], seconds: float, keep
             scratch.close()
         scratch = None  # its scratch arrays go before the load hands device memory back
         load.close()
-    ref = statistics.mean(compute)
-    measured = tuple(
-        PathMeasurement(d, p, round(alone[d, p], 3), round(gbps, 3),
-                        round(rate / ref, 3) if ref > 0 else 0.0)
-        for (d, p), (rate, gbps) in beside.items())
-    choice = rank(measured, keep)
-    if apply:
-        backend.prefer({d: Preference(p, page, MIN_BYTES) for d, p in choice.items()})
-    return AutoCalibration(page, count, per_transfer * count * page, keep, measured, choice,
-                           round(time.perf_counter() - t_start, 3), notes)
+    return compute, alone, beside
 
 
 def _scratch(backend: Any, count: int, blocks: int, page: int) -> list[Any]:

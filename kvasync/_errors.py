@@ -9,6 +9,8 @@
      +-- OffloaderClosedError (also RuntimeError) the offloader was closed
      +-- BackendUnavailableError (also RuntimeError)
      |                                             the backend asked for cannot run here
+     +-- CalibrationError (also RuntimeError)     calibrate() found its compute load failed
+     |                                             or idle: nothing was chosen
      +-- TransferFailedError                      a submitted copy failed (on the device or
           |                                        behind a failed copy of the same direction)
           +-- OffloaderBrokenError                submitting to a direction after a failure
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 __all__ = [
     "BackendUnavailableError",
+    "CalibrationError",
     "InvalidTransferError",
     "KVAsyncError",
     "OffloaderBrokenError",
@@ -70,3 +73,8 @@ class SharedRegionError(KVAsyncError, RuntimeError):
 
 class SharedRegionTimeoutError(SharedRegionError, TimeoutError):
     """A joiner waited `timeout` seconds and the backing file never reached its size."""
+
+
+class CalibrationError(KVAsyncError, RuntimeError):
+    """`Offloader.calibrate()` could not measure: its compute load failed or did no work in a
+    window. Nothing was chosen; "auto" keeps its earlier rules."""

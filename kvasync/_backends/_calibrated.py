@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
+from .._errors import CalibrationError
+
 if TYPE_CHECKING:
     from .._program import TransferPlan
 
@@ -72,23 +74,29 @@ class ComputeLoad(ABC):
 
     `side` is what transfers measured beside it pass as ``stream=`` so they never wait for
     the loop (None: the backend's default). `rate(during)` runs `during()` and returns the
-    loop's work per second while it ran, with what `during()` returned.
+    loop's work per second while it ran, with what `during()` returned. A loop that fails
+    or does no work raises CalibrationError from `start()` or `rate()`: a calibration must not
+    rank paths by a load that was not running.
     """
 
     side: Any = None
+    #: seconds `start()` waits for the loop's first units of work
+    START_S = 30.0
 
     def __init__(self) -> None:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="kvasync-compute-load",
+        self._thread = threading.Thread(target=self._main, name="kvasync-compute-load",
                                         daemon=True)
         self._thread.start()
-        deadline = time.perf_counter() + 30.0
-        while len(self._ends()) < 3 and time.perf_counter() < deadline:
-            if not self._thread.is_alive():
-                raise RuntimeError("the compute loop ended before it ran")
+        deadline = time.perf_counter() + self.START_S
+        while len(self._ends()) < 3:
+            self._check()
+            if time.perf_counter() > deadline:
+                raise CalibrationError(f"the compute loop did no work in {self.START_S:g} s")
             time.sleep(0.001)
 
     def close(self) -> None:
@@ -96,7 +104,22 @@ class ComputeLoad(ABC):
         self._stop.set()
         if self._thread is not None:
             self._thread.join(60)
+            if self._thread.is_alive():
+                raise CalibrationError("the compute loop did not stop within 60 s")
             self._thread = None
+
+    def _main(self) -> None:
+        try:
+            self._run()
+        except BaseException as exc:  # reported by start() / rate(), never lost
+            self._error = exc
+
+    def _check(self) -> None:
+        """CalibrationError (from the loop's own error) where the loop is not running."""
+        if self._error is not None:
+            raise CalibrationError(f"the compute loop failed: {self._error}") from self._error
+        if self._thread is None or not self._thread.is_alive():
+            raise CalibrationError("the compute loop is not running")
 
     @abstractmethod
     def _run(self) -> None:
@@ -113,14 +136,18 @@ class ComputeLoad(ABC):
 
     def rate(self, during: Callable[[], T]) -> tuple[float, T]:
         """(units per second while `during()` ran, what it returned)."""
+        self._check()
         first = self._mark()
         try:
             result = during()
         finally:
             last = self._mark()
+        self._check()
         w0, w1 = first(), last()
         work = work_in_window(self._ends(), w0, w1)
-        return (work / (w1 - w0) if w1 > w0 else 0.0), result
+        if work <= 0 or w1 <= w0:
+            raise CalibrationError("the compute loop did no work in a measuring window")
+        return work / (w1 - w0), result
 
 
 class HostMatmulLoad(ComputeLoad):

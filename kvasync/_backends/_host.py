@@ -295,6 +295,8 @@ class HostBackend(Backend):
         if path == "pitched":
             check_pitchable(plan)
             return path
+        if path != "auto":  # "memmove", as asked
+            return "memmove"
         chosen = preferred(self.preference(direction), plan, urgent, layered, lambda p: (
             p == "memmove" or (p == "staged" and staged_rows(
                 plan, direction == "d2h", self._ring(direction).slab_bytes) is not None)))

@@ -73,7 +73,11 @@ def test_the_matmul_load_reports_its_rate_alone_and_stops() -> None:
     load = CudaMatmulLoad(0, n=4096)
     load.start()
     try:
-        rate, out = load.rate(lambda: time.sleep(0.1) or 7)
+        def nap() -> int:
+            time.sleep(0.1)
+            return 7
+
+        rate, out = load.rate(nap)
         assert out == 7 and rate > 10, rate  # 4096^3 fp16 matmuls: far more than 10/s
     finally:
         load.close()

@@ -25,7 +25,10 @@ def run(ctx: Context) -> list[Row]:
         ctx.progress(f"calibrate() at {fmt_size(page)} pages")
         tensors = [ctx.device_array((2, page)) for _ in range(ctx.tensors)]
         off = ctx.make_offloader(tensors, 2)
-        cal = off.calibrate(seconds=0.05 if ctx.quick else 0.2)
+        try:
+            cal = off.calibrate(seconds=0.05 if ctx.quick else 0.2)
+        finally:
+            off.close()
         for m in cal.measurements:
             ceil = ctx.ceiling(m.direction)
             rows.append(Row(
@@ -37,7 +40,6 @@ def run(ctx: Context) -> list[Row]:
                 note=f"{cal.tensors} tensors, {fmt_size(cal.transfer_bytes)} per transfer",
                 extra={"tflops_ratio": m.kept,
                        "chosen": cal.choice.get(m.direction) == m.path}))
-        off.close()
     return rows
 
 
