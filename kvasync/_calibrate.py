@@ -55,6 +55,10 @@ MIN_BYTES = 2 << 20
 CANDIDATES = ("staged", "dma", "memmove", "kernel")
 #: beside-compute rates within this share of the best count as a tie (then: rate alone)
 TIE = 0.02
+#: a path moving less than this share of the most any path moves beside the compute load
+#: is no candidate: on an H100, DMA of 4 KiB loads kept the matmul at 101% by moving 14% of
+#: the link, where staged moved 67% at 92%
+FLOOR = 0.5
 #: (direction, path)
 Key = tuple[str, str]
 _ONE_AT_A_TIME = threading.Lock()
@@ -97,14 +101,18 @@ class AutoCalibration:
 
 
 def rank(measurements: Sequence[PathMeasurement], keep: float) -> dict[str, str]:
-    """Per direction, the path "auto" should prefer: among those keeping at least `keep`
-    of the compute rate, the most GB/s beside it; where none keeps that much, among those
-    keeping within `TIE` of the most kept, the same. Near-ties in GB/s beside (within
-    `TIE`) go to the most GB/s alone, then to `CANDIDATES` order."""
+    """Per direction, the path "auto" should prefer. Paths moving less than `FLOOR` of the
+    most GB/s any path moves beside the compute are out (they keep it by barely moving).
+    Of the rest: among those keeping at least `keep` of the compute rate, the most GB/s
+    beside it; where none keeps that much, among those keeping within `TIE` of the most
+    kept, the same. Near-ties in GB/s beside (within `TIE`) go to the most GB/s alone, then
+    to `CANDIDATES` order."""
     order = {p: i for i, p in enumerate(CANDIDATES)}
     choice: dict[str, str] = {}
     for direction in dict.fromkeys(m.direction for m in measurements):
         rows = [m for m in measurements if m.direction == direction]
+        fastest = max(m.gbps_beside for m in rows)
+        rows = [m for m in rows if m.gbps_beside >= FLOOR * fastest]
         pool = [m for m in rows if m.kept >= keep and m.gbps_beside > 0]
         if not pool:
             most = max(m.kept for m in rows)
