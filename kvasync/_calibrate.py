@@ -59,6 +59,11 @@ TIE = 0.02
 #: is no candidate: on an H100, DMA of 4 KiB loads kept the matmul at 101% by moving 14% of
 #: the link, where staged moved 67% at 92%
 FLOOR = 0.5
+#: a winner replaces the incumbent path only if it moves this much more beside the compute,
+#: or keeps `KEPT_MARGIN` more of it (and is no worse in the other): on one H100, two runs at
+#: 16 KiB pages differed by 3-4 points in kept and chose differently under the bare ranking
+MARGIN = 0.10
+KEPT_MARGIN = 0.05
 #: (direction, path)
 Key = tuple[str, str]
 _ONE_AT_A_TIME = threading.Lock()
@@ -86,6 +91,8 @@ class AutoCalibration:
     keep: float
     measurements: tuple[PathMeasurement, ...]
     choice: dict[str, str]
+    #: what "auto" took for the same transfers by its fixed rules, before the calibration
+    incumbent: dict[str, str]
     seconds: float
     notes: list[str] = field(default_factory=list)
 
@@ -97,16 +104,20 @@ class AutoCalibration:
             mark = "  <- auto" if self.choice.get(m.direction) == m.path else ""
             lines.append(f"{m.direction:9} {m.path:8} {m.gbps_alone:10.2f} "
                          f"{m.gbps_beside:11.2f} {m.kept:12.3f}{mark}")
+        lines.append("auto before: " + ", ".join(f"{d} {p}" for d, p in self.incumbent.items()))
         return "\n".join(lines)
 
 
-def rank(measurements: Sequence[PathMeasurement], keep: float) -> dict[str, str]:
+def rank(measurements: Sequence[PathMeasurement], keep: float,
+         incumbent: dict[str, str] | None = None) -> dict[str, str]:
     """Per direction, the path "auto" should prefer. Paths moving less than `FLOOR` of the
     most GB/s any path moves beside the compute are out (they keep it by barely moving).
     Of the rest: among those keeping at least `keep` of the compute rate, the most GB/s
     beside it; where none keeps that much, among those keeping within `TIE` of the most
     kept, the same. Near-ties in GB/s beside (within `TIE`) go to the most GB/s alone, then
-    to `CANDIDATES` order."""
+    to `CANDIDATES` order. The `incumbent` path of a direction (what "auto" takes without a
+    calibration), where measured and not out, stays unless that winner clearly beats it
+    (`_clearly_better`): two runs of one calibration differ by a few points."""
     order = {p: i for i, p in enumerate(CANDIDATES)}
     choice: dict[str, str] = {}
     for direction in dict.fromkeys(m.direction for m in measurements):
@@ -119,8 +130,20 @@ def rank(measurements: Sequence[PathMeasurement], keep: float) -> dict[str, str]
             pool = [m for m in rows if m.kept >= most - TIE]
         top = max(m.gbps_beside for m in pool)
         near = [m for m in pool if m.gbps_beside >= top * (1 - TIE)]
-        choice[direction] = max(near, key=lambda m: (m.gbps_alone, -order.get(m.path, 99))).path
+        best = max(near, key=lambda m: (m.gbps_alone, -order.get(m.path, 99)))
+        held = (incumbent or {}).get(direction)
+        inc = next((m for m in rows if m.path == held), None)
+        choice[direction] = (inc if inc is not None and not _clearly_better(best, inc)
+                             else best).path
     return choice
+
+
+def _clearly_better(a: PathMeasurement, b: PathMeasurement) -> bool:
+    """`a` is no worse than `b` beside the compute (GB/s and kept, within `TIE`) and better
+    by `MARGIN` in GB/s or by `KEPT_MARGIN` in kept."""
+    no_worse = a.kept >= b.kept - TIE and a.gbps_beside >= b.gbps_beside * (1 - TIE)
+    return no_worse and (a.gbps_beside >= b.gbps_beside * (1 + MARGIN)
+                         or a.kept >= b.kept + KEPT_MARGIN)
 
 
 def check_arguments(seconds: Any, keep: Any) -> None:
@@ -157,25 +180,27 @@ def calibrate_offloader(off: Any, make: Callable[..., Any], seconds: float, keep
            for _ in range(4)]
     notes: list[str] = []
     with _ONE_AT_A_TIME:  # two compute loops would measure each other
-        compute, alone, beside = _measure(off, make, load, paths, ids, page, count, blocks,
-                                          seconds, notes)
+        compute, alone, beside, incumbent = _measure(off, make, load, paths, ids, page,
+                                                     count, blocks, seconds, notes)
     ref = statistics.mean(compute)
     measured = tuple(
         PathMeasurement(d, p, round(alone[d, p], 3), round(gbps, 3), round(rate / ref, 3))
         for (d, p), (rate, gbps) in beside.items())
-    choice = rank(measured, keep)
-    if apply:
-        backend.prefer({d: Preference(p, page, MIN_BYTES) for d, p in choice.items()})
+    choice = rank(measured, keep, incumbent)
+    if apply:  # only where the calibration changes what auto takes
+        backend.prefer({d: Preference(p, page, MIN_BYTES) for d, p in choice.items()
+                        if p != incumbent.get(d)})
     return AutoCalibration(page, count, per_transfer * count * page, keep, measured, choice,
-                           round(time.perf_counter() - t_start, 3), notes)
+                           incumbent, round(time.perf_counter() - t_start, 3), notes)
 
 
 def _measure(off: Any, make: Callable[..., Any], load: ComputeLoad, paths: list[str],
              ids: list[tuple[Any, Any]], page: int, count: int, blocks: int, seconds: float,
              notes: list[str]) -> tuple[list[float], dict[Key, float],
-                                        dict[Key, tuple[float, float]]]:
+                                        dict[Key, tuple[float, float]], dict[str, str]]:
     """(the load's rate alone before and after, GB/s per path alone, (the load's rate,
-    GB/s) per path beside it), on a scratch offloader `make` builds like `off`."""
+    GB/s) per path beside it, the path "auto" takes per direction by its fixed rules), on
+    a scratch offloader `make` builds like `off`."""
     backend = off.backend
     old_switch = sys.getswitchinterval()
     scratch: Any = None
@@ -183,6 +208,9 @@ def _measure(off: Any, make: Callable[..., Any], load: ComputeLoad, paths: list[
         scratch = make(KVCacheLayout.from_tensors(_scratch(backend, count, blocks, page)),
                        num_cpu_chunks=blocks, backend=backend.name,
                        staging_bytes=off.staging_bytes or None)
+        incumbent = {d: scratch.backend.resolve_path(
+            "auto", d, scratch._submitter.plan(d, *ids[0], None, None), scratch.host_pinned)
+            for d in ("d2h", "h2d")}
         sys.setswitchinterval(min(old_switch, 0.0005))  # the load's feeder keeps its queue
 
         def gbps(d: str, p: str) -> float:
@@ -201,7 +229,7 @@ def _measure(off: Any, make: Callable[..., Any], load: ComputeLoad, paths: list[
             scratch.close()
         scratch = None  # its scratch arrays go before the load hands device memory back
         load.close()
-    return compute, alone, beside
+    return compute, alone, beside, incumbent
 
 
 def _scratch(backend: Any, count: int, blocks: int, page: int) -> list[Any]:

@@ -88,11 +88,12 @@ def _calibrate(rows: list[Row]) -> list[str]:
     lines = [[fmt_size(r.page_bytes), r.direction, r.path,
               f"{r.value('alone_ratio'):.0%}", f"{r.ratio or 0:.0%}",
               f"{r.extra.get('tflops_ratio', 0):.0%}", "auto" if r.extra.get("chosen") else "",
+              "auto" if r.extra.get("incumbent") else "",
               f"{r.value('seconds'):.1f}"] for r in rows]
     return _table("Offloader.calibrate(): link share alone and beside its compute load, the "
-                  "load's kept share, the path auto prefers:",
-                  ["page", "dir", "path", "alone", "beside", "load kept", "chosen", "took s"],
-                  lines)
+                  "load's kept share, the path auto prefers after it and took before it:",
+                  ["page", "dir", "path", "alone", "beside", "load kept", "chosen", "before",
+                   "took s"], lines)
 
 
 def _bidirectional(rows: list[Row]) -> list[str]:

@@ -72,6 +72,33 @@ def test_rank_passes_over_a_path_that_keeps_the_compute_by_barely_moving() -> No
     assert rank(rows[1:2], 0.97) == {"h2d": "dma"}  # alone, it is the fastest
 
 
+@pytest.mark.parametrize(("rows", "held", "want"), [
+    # H100 runs: 16 KiB loads, kernel a point ahead of staged on both: staged stays
+    ([M("h2d", "staged", 96.0, 66.0, 0.90), M("h2d", "kernel", 90.0, 68.0, 0.91)],
+     "staged", "staged"),
+    # 64 KiB loads: DMA moves twice the link at a higher kept share
+    ([M("h2d", "staged", 96.0, 46.0, 0.90), M("h2d", "dma", 97.0, 97.0, 0.95)],
+     "staged", "dma"),
+    # 64 KiB stores: DMA moves 16% more at the same kept share
+    ([M("d2h", "staged", 95.0, 73.0, 0.98), M("d2h", "dma", 98.0, 85.0, 0.98)],
+     "staged", "dma"),
+    # 16 KiB stores: DMA keeps 3 points more but moves a quarter less: staged stays
+    ([M("d2h", "staged", 52.0, 40.3, 0.96), M("d2h", "dma", 23.4, 30.0, 0.99)],
+     "staged", "staged"),
+    # kept 6 points more at the same GB/s is a clear win
+    ([M("d2h", "kernel", 50.0, 40.0, 0.90), M("d2h", "staged", 50.0, 40.0, 0.96)],
+     "kernel", "staged"),
+    # an incumbent below the floor, or not measured, does not stay
+    ([M("h2d", "staged", 93.0, 67.0, 0.92), M("h2d", "dma", 13.0, 14.0, 1.01)],
+     "dma", "staged"),
+    ([M("h2d", "staged", 93.0, 67.0, 0.92)], "pitched", "staged"),
+])
+def test_rank_keeps_the_incumbent_unless_clearly_beaten(
+        rows: list[kv.PathMeasurement], held: str, want: str) -> None:
+    direction = rows[0].direction
+    assert rank(rows, 0.97, {direction: held}) == {direction: want}
+
+
 def test_rank_without_a_path_keeping_the_compute_takes_the_one_keeping_most() -> None:
     rows = [M("h2d", "kernel", 50.0, 49.0, 0.50), M("h2d", "dma", 30.0, 25.0, 0.90)]
     assert rank(rows, 0.97) == {"h2d": "dma"}
@@ -88,11 +115,21 @@ def test_rank_without_a_path_keeping_the_compute_takes_the_one_keeping_most() ->
                           st.sampled_from(["kernel", "dma", "staged", "memmove"]),
                           st.floats(0, 100), st.floats(0, 100), st.floats(0, 1.5)),
                 min_size=1, max_size=12, unique_by=lambda r: (r[0], r[1])),
-       st.floats(0.5, 1.0))
+       st.floats(0.5, 1.0), st.sampled_from(["kernel", "dma", "staged", "memmove"]))
 def test_rank_matches_a_plain_oracle(rows: list[tuple[str, str, float, float, float]],
-                                     keep: float) -> None:
+                                     keep: float, held: str) -> None:
     measured = [M(*r) for r in rows]
-    got = rank(measured, keep)
+    # with an incumbent: it stays, or the bare ranking's winner clearly beats it
+    bare = rank(measured, keep)
+    for direction, path in rank(measured, keep, {"d2h": held, "h2d": held}).items():
+        if path != bare[direction]:
+            assert path == held
+            win = next(m for m in measured if (m.direction, m.path) == (direction, bare[direction]))
+            inc = next(m for m in measured if (m.direction, m.path) == (direction, held))
+            assert not (win.kept >= inc.kept - 0.02 and win.gbps_beside >= inc.gbps_beside * 0.98
+                        and (win.gbps_beside >= inc.gbps_beside * 1.1
+                             or win.kept >= inc.kept + 0.05))
+    got = bare
     for direction in {r[0] for r in rows}:
         mine = [m for m in measured if m.direction == direction]
         pick = next(m for m in mine if m.path == got[direction])
@@ -162,13 +199,15 @@ def test_calibrate_measures_every_path_both_ways_and_auto_follows_its_choice() -
         for m in cal.measurements:
             assert m.gbps_alone > 0 and m.gbps_beside > 0, m
             assert 0 < m.kept < 3 and math.isfinite(m.kept), m
-        assert cal.choice == rank(cal.measurements, 0.97)
+        assert cal.incumbent == {"d2h": "memmove", "h2d": "memmove"}
+        assert cal.choice == rank(cal.measurements, 0.97, cal.incumbent)
         assert (cal.page_bytes, cal.tensors, cal.keep) == (PAGE, 8, 0.97)
         assert cal.transfer_bytes == 1 << 20 and cal.seconds > 0
-        assert "<- auto" in cal.table() and cal.table().count("\n") == 4
-        for direction in ("d2h", "h2d"):
-            assert off.backend.preference(direction) == Preference(  # type: ignore[arg-type]
-                cal.choice[direction], PAGE, _calibrate.MIN_BYTES)
+        assert "<- auto" in cal.table() and cal.table().count("\n") == 5
+        for direction in ("d2h", "h2d"):  # a preference only where it changes auto
+            path = cal.choice[direction]
+            assert off.backend.preference(direction) == (  # type: ignore[arg-type]
+                None if path == "memmove" else Preference(path, PAGE, _calibrate.MIN_BYTES))
         # auto takes the choice for a big transfer, memmove for a small one
         ids = list(range(40))  # 40 x 8 x 16 KiB = 5 MiB
         for direction, call in (("d2h", off.store), ("h2d", off.load)):
