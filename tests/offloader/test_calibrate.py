@@ -334,3 +334,24 @@ async def test_calibrate_runs_from_a_coroutine_as_a_notebook_cell_does() -> None
         ids = list(range(20))
         result = await off.store(gpu_blocks=ids, cpu_chunks=ids)
         assert result.success and result.bytes == 20 * 8 * PAGE
+
+
+def test_an_unknown_incumbent_is_noted_and_the_ranking_goes_without_one() -> None:
+    class _Broken:
+        host_pinned = True
+
+        class backend:
+            @staticmethod
+            def resolve_path(*args: object) -> str:
+                raise RuntimeError("no rules here")
+
+        class _submitter:
+            @staticmethod
+            def plan(*args: object) -> None:
+                return None
+
+    notes: list[str] = []
+    assert _calibrate._incumbent(_Broken(), ([0], [0]), notes) == {}
+    assert len(notes) == 1 and "no rules here" in notes[0]
+    rows = [M("h2d", "staged", 96.0, 66.0, 0.90), M("h2d", "kernel", 90.0, 68.0, 0.91)]
+    assert rank(rows, 0.97, {}) == rank(rows, 0.97)
