@@ -86,6 +86,8 @@ def test_quick_run_writes_a_valid_bench_json(quick_run: tuple[Path, Any]) -> Non
     for d in ("d2h", "h2d"):  # one path chosen per direction, each row measured
         assert sum(r["extra"]["chosen"] for r in cal if r["direction"] == d) == 1
     assert all(r["ratio"] > 0 and 0 < r["extra"]["tflops_ratio"] < 3 for r in cal)
+    assert all(r["extra"]["auto_before"] == "memmove" for r in cal)  # the host's fixed rule
+    assert all(r["extra"]["incumbent"] == (r["path"] == "memmove") for r in cal)
     bw = {(r["direction"], r["page_bytes"], r["path"]): r for r in rows
           if r["section"] == "bandwidth"}
     for d in ("h2d", "d2h"):

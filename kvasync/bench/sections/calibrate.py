@@ -7,7 +7,9 @@ flight, for 0.2 s alone and 0.2 s beside the backend's compute load (on CUDA fp1
 matmuls; on the host backend NumPy matmuls in a thread). One row per direction and path:
 `ratio` is its GB/s beside the load over this run's ceiling, ``values.alone_ratio`` the
 same alone, ``extra.tflops_ratio`` the load's kept share, ``extra.chosen`` whether "auto"
-now prefers it, ``extra.incumbent`` whether "auto" took it before (its fixed rules);
+now prefers it, ``extra.incumbent`` whether "auto" took it before (its fixed rules, on the
+calibration's scratch offloader: ``extra.auto_before`` names that path, which may be one
+the calibration does not measure, such as pitched);
 ``values.seconds`` how long the calibration held its caller.
 """
 
@@ -41,7 +43,8 @@ def run(ctx: Context) -> list[Row]:
                 note=f"{cal.tensors} tensors, {fmt_size(cal.transfer_bytes)} per transfer",
                 extra={"tflops_ratio": m.kept,
                        "chosen": cal.choice.get(m.direction) == m.path,
-                       "incumbent": cal.incumbent.get(m.direction) == m.path}))
+                       "incumbent": cal.incumbent.get(m.direction) == m.path,
+                       "auto_before": cal.incumbent.get(m.direction, "")}))
     return rows
 
 
