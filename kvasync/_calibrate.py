@@ -4,16 +4,19 @@
 and device, the same page size, up to `MAX_TENSORS` KV tensors, scratch memory of its own:
 the caller's KV cache and host copy are never touched), times each copy path that can serve
 the caller's plans alone and then beside the backend's compute load (`Backend.compute_load`:
-a matmul loop on the GPU), ranks them (`rank`) and leaves the winner of each direction in
-the caller's backend (`Backend.prefer`), where "auto" asks it first for transfers of at
-least `MIN_BYTES` with pages near the measured size.
+a matmul loop on the GPU), ranks them (`rank`) and leaves each direction's winner, where it
+differs from what "auto" takes by its fixed rules, in the caller's backend
+(`Backend.prefer`, replacing earlier ones), where "auto" asks it (after the urgent and
+pitched rules) for transfers of at least `MIN_BYTES` with pages near the measured size.
 
 Why beside compute: a server's copies run beside its model's kernels. On the H200 an SM
 copy kernel was the fastest path alone at 4-64 KiB pages and cut a concurrent bf16 matmul
 to 63% of its rate; the copy engines alone keep the matmul but are driver-bound on small
 pages; the staged path kept it at 96-101% while moving 59-77% of the link
 (docs/performance.md). The ranking keeps the model first: among paths that keep at least
-`keep` of the compute rate, the one moving the most bytes beside it wins.
+`keep` of the compute rate, the one moving the most bytes beside it wins (`rank` says what
+happens where none does, drops paths that barely move, and keeps the fixed rules' path
+unless clearly beaten).
 
 Pitched copies are not measured: where a plan can take them, "auto" keeps choosing them
 by their fixed rule, ahead of a calibration's choice (`_cuda_policy`).

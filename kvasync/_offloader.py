@@ -211,10 +211,11 @@ class Offloader:
 
     def calibrate(self, *, seconds: float = 0.2, keep: float = 0.97,
                   apply: bool = True) -> AutoCalibration:
-        """Time each copy path alone and beside a compute loop (a GPU matmul) on scratch
-        memory shaped like this layout, and (`apply`) make "auto" prefer, per direction, the
-        path moving the most beside it among those keeping `keep` of its rate. Blocks a
-        few seconds; the KV cache and host copy are not touched (docs/design.md)."""
+        """Time each copy path alone and beside a compute loop (GPU matmuls; NumPy ones on
+        the host backend) on scratch memory shaped like this layout, and (`apply`) make
+        "auto" prefer, per direction, the path moving the most beside it among those keeping
+        `keep` of its rate (the full rule: docs/design.md). Blocks a few seconds; the KV
+        cache and host copy are not touched."""
         self._submitter.check_open()
         return calibrate_offloader(self, type(self), seconds, keep, bool(apply))
 

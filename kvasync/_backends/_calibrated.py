@@ -2,8 +2,9 @@
 
 `Offloader.calibrate` times each copy path alone and beside a compute loop the backend
 provides (`Backend.compute_load`: a matmul loop on the device, or NumPy matmuls in a thread
-on the host backend) and leaves, per direction, the path to prefer under "auto" and the page
-size it measured (`Preference`). A backend's "auto" rules then ask `preferred` first. Why
+on the host backend) and leaves, per direction where it changes "auto", the path to prefer
+and the page size it measured (`Preference`). A backend's "auto" rules then ask `preferred`
+(on CUDA after the urgent and pitched rules). Why
 measure beside compute: a server's copies run beside its model's kernels, and a path that
 is fastest alone (an SM copy kernel) can cost the model a third of its rate
 (docs/performance.md, section interference).
