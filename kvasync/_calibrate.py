@@ -19,7 +19,9 @@ happens where none does, drops paths that barely move, and keeps the fixed rules
 unless clearly beaten).
 
 Pitched copies are not measured: where a plan can take them, "auto" keeps choosing them
-by their fixed rule, ahead of a calibration's choice (`_cuda_policy`).
+by their fixed rule, ahead of a calibration's choice (`_cuda_policy`), and the scratch
+tensors are never evenly spaced (`unevenly_spaced`), so the scratch stands for the plans
+a preference reaches.
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ from ._program import row_side
 if TYPE_CHECKING:
     from ._transfer import Transfer
 
-__all__ = ["AutoCalibration", "PathMeasurement", "calibrate_offloader", "rank"]
+__all__ = ["AutoCalibration", "PathMeasurement", "calibrate_offloader", "rank",
+           "unevenly_spaced"]
 
 #: KV tensors of the scratch layout at most (a transfer's descriptors grow with them)
 MAX_TENSORS = 64
@@ -247,14 +250,30 @@ def _incumbent(scratch: Any, ids: tuple[Any, Any], notes: list[str]) -> dict[str
 
 
 def _scratch(backend: Any, count: int, blocks: int, page: int) -> list[Any]:
-    """`count` zeroed (blocks, page) byte arrays in the backend's device memory."""
+    """`count` zeroed (blocks, page) byte arrays in the backend's device memory, in
+    `unevenly_spaced` order."""
     if backend.name == "host":
-        return [np.zeros((blocks, page), np.uint8) for _ in range(count)]
+        return unevenly_spaced([np.zeros((blocks, page), np.uint8) for _ in range(count)])
     from ._backends._cudart import cupy
 
     cp = cupy()
     with cp.cuda.Device(backend.device_id):
-        return [cp.zeros((blocks, page), cp.uint8) for _ in range(count)]
+        return unevenly_spaced([cp.zeros((blocks, page), cp.uint8) for _ in range(count)])
+
+
+def unevenly_spaced(arrays: list[Any]) -> list[Any]:
+    """`arrays` with each pair swapped (1, 0, 3, 2, ...), so that no three in a row are
+    evenly spaced even where an allocator placed them so.
+
+    Why: "auto" sends evenly spaced tensors with big pages to "pitched" ahead of any
+    calibration's choice, so a preference only reaches plans the pitched rule leaves; the
+    scratch offloader stands for those, and its fixed rules' path (the incumbent) must be
+    what "auto" takes for them.
+    """
+    out = list(arrays)
+    for i in range(0, len(out) - 1, 2):
+        out[i], out[i + 1] = out[i + 1], out[i]
+    return out
 
 
 def _gbps(off: Any, direction: str, path: str, ids: list[tuple[Any, Any]], side: Any,

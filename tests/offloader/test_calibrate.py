@@ -355,3 +355,24 @@ def test_an_unknown_incumbent_is_noted_and_the_ranking_goes_without_one() -> Non
     assert len(notes) == 1 and "no rules here" in notes[0]
     rows = [M("h2d", "staged", 96.0, 66.0, 0.90), M("h2d", "kernel", 90.0, 68.0, 0.91)]
     assert rank(rows, 0.97, {}) == rank(rows, 0.97)
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 8, 9, 64])
+def test_the_scratch_order_keeps_a_pool_out_of_the_pitched_rule(count: int) -> None:
+    """Slices of one pool are one 2-D copy per block; in the scratch's order at most two
+    tensors are, so the scratch's fixed rules stand for plans the pitched rule leaves."""
+    from kvasync._backends._cuda_policy import PITCHED_MIN_HEIGHT
+    from kvasync._program import mean_height
+
+    pool = np.zeros((count, 8, 4096), np.uint8)
+    views = list(pool)
+    order = _calibrate.unevenly_spaced(views)
+    assert sorted(id(v) for v in order) == sorted(id(v) for v in views)
+    heights = []
+    for tensors in (views, order):
+        off = kv.Offloader(kv.KVCacheLayout.from_tensors(tensors), num_cpu_chunks=8)
+        heights.append(mean_height(off._submitter.plan("d2h", [1, 5, 2], [0, 3, 4], None,
+                                                       None)))
+        off.close()
+    assert heights[0] == count
+    assert heights[1] <= 2 < PITCHED_MIN_HEIGHT
