@@ -100,6 +100,8 @@ def test_quick_run_writes_a_valid_bench_json(quick_run: tuple[Path, Any]) -> Non
                 assert r["extra"]["ran"] == ("memmove" if path == "auto" else path)
     for section in ("bidirectional", "latency", "hostcost", "priority", "rate"):
         assert {r["path"] for r in rows if r["section"] == section} >= set(meta["paths"])
+    assert all(len(r["samples"]) >= 7 for r in rows  # a median of a few reps at least
+               if r["section"] == "bidirectional" and r["path"] != "ceiling")
     inflight = [r for r in rows if r["section"] == "rate" and "inflight" in r["extra"]]
     assert inflight and inflight[0]["extra"]["lost"] == 0
     assert inflight[0]["extra"]["completed_in_order"] is True

@@ -2,9 +2,10 @@
 
 Per page size and path, a store and a load of about `total` bytes each, over disjoint random
 blocks, are submitted back to back from one thread; GB/s is both directions' bytes over the
-wall time until both are done. The ceiling is two contiguous copies of `total` bytes at once,
-one each way on two streams, measured in the same run: the best of whole copies and 64 MiB
-calls, with the load in either half of the buffers. Both transfers use the row's path.
+median wall time until both are done, over at least `MIN_REPS` reps (`--reps` if more). The
+ceiling is two contiguous copies of `total` bytes at once, one each way on two streams,
+measured in the same run: the best of whole copies and 64 MiB calls, with the load in either
+half of the buffers. Both transfers use the row's path.
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ from ..common import KiB, MiB, Row, Section, fmt_size
 from ..context import WAIT_S, Context, submit
 
 PAGES = (64 * KiB, 2 * MiB)
+#: timed reps at least: a rep takes ~25 ms at 1 GiB, and with two a single slow rep (the
+#: first, on a lent H100: 30 ms where the others took 24) moved a row's median 10 points
+MIN_REPS = 7
 
 
 def run(ctx: Context) -> list[Row]:
@@ -47,7 +51,7 @@ def run(ctx: Context) -> list[Row]:
                 print(f"bidirectional: {fmt_size(page)} {path} not run: {exc}", file=sys.stderr)
                 continue
             with ctx.ran_paths(off) as ran:
-                for rep in range(ctx.reps + 1):
+                for rep in range(max(ctx.reps, MIN_REPS) + 1):
                     t0 = time.perf_counter()
                     ts = submit(off, "d2h", *store_ids, path=path)
                     tl = submit(off, "h2d", *load_ids, path=path)
