@@ -54,6 +54,8 @@ MAX_TENSORS = 64
 #: bytes per measured transfer, and transfers kept in flight (as the bench's interference)
 TRANSFER_BYTES = 64 << 20
 INFLIGHT = 4
+#: scratch blocks per transfer's blocks: the measured transfers pick random blocks among them
+SPREAD = 2
 #: the smallest transfer a calibration's choice applies to: below it a transfer's fixed
 #: host cost decides, and the backend's own rules stay
 MIN_BYTES = 2 << 20
@@ -174,7 +176,7 @@ def calibrate_offloader(off: Any, make: Callable[..., Any], seconds: float, keep
     page = Counter(t.page for t in off.layout.tensors).most_common(1)[0][0]
     count = min(len(off.layout.tensors), MAX_TENSORS)
     per_transfer = max(1, TRANSFER_BYTES // (count * page))
-    blocks = 2 * per_transfer
+    blocks = SPREAD * per_transfer
     rows = row_side(off._tables["d2h"], True) is not None
     paths = [p for p in CANDIDATES if p in backend.paths and (p != "staged" or rows)
              and (p != "kernel" or off.host_pinned)]  # the kernel reads pinned memory only
