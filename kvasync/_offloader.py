@@ -209,13 +209,17 @@ class Offloader:
     #: worst pair: 50% of the bidirectional ceiling at 64 KiB, where DMA both ways made 61%)
     BOTH_WAYS_MEMORY = 0.1
 
-    def calibrate(self, *, seconds: float = 0.2, keep: float = 0.97,
+    def calibrate(self, *, seconds: float = 0.4, keep: float = 0.97,
                   apply: bool = True) -> AutoCalibration:
         """Time each copy path alone and beside a compute loop (GPU matmuls; NumPy ones on
         the host backend) on scratch memory shaped like this layout, and (`apply`) make
         "auto" prefer, per direction, the path moving the most beside it among those keeping
         `keep` of its rate (the full rule: docs/design.md). Blocks a few seconds; the KV
-        cache and host copy are not touched."""
+        cache and host copy are not touched.
+
+        `seconds` is each window (per path and direction, alone and beside): 0.2 s windows
+        measured staged loads' kept share 9 points below what 0.4 and 0.6 s windows and the
+        bench's interference section measured (H100)."""
         self._submitter.check_open()
         return calibrate_offloader(self, type(self), seconds, keep, bool(apply))
 
