@@ -281,7 +281,9 @@ def unevenly_spaced(arrays: list[Any]) -> list[Any]:
 def _gbps(off: Any, direction: str, path: str, ids: list[tuple[Any, Any]], side: Any,
           seconds: float, notes: list[str]) -> float:
     """GB/s of transfers of `ids` (cycled, `INFLIGHT` in flight, waiting on `side`) for at
-    least `seconds` after one warm-up transfer; 0.0 where the path refuses them."""
+    least `seconds` after one warm-up transfer; 0.0 where the path refuses them. (The
+    bench's interference section runs the same loop of its own: the bench uses the public
+    API only.)"""
     submit: Callable[..., Transfer] = off.store if direction == "d2h" else off.load
 
     def one(i: int) -> Transfer:
