@@ -215,11 +215,7 @@ class Offloader:
         the host backend) on scratch memory shaped like this layout, and (`apply`) make
         "auto" prefer, per direction, the path moving the most beside it among those keeping
         `keep` of its rate (the full rule: docs/design.md). Blocks a few seconds; the KV
-        cache and host copy are not touched.
-
-        `seconds` is each window (per path and direction, alone and beside): 0.2 s windows
-        measured staged loads' kept share 9 points below what 0.4 and 0.6 s windows and the
-        bench's interference section measured (H100)."""
+        cache and host copy are not touched. `seconds`: each window (`_calibrate`)."""
         self._submitter.check_open()
         return calibrate_offloader(self, type(self), seconds, keep, bool(apply))
 
