@@ -241,7 +241,8 @@ def _run_script(code: str, prelude: str = "") -> str:
 
 
 #: script prelude: `report(name, t)` awaits transfer `t` (None: skipped) and prints
-#: "<name> no error" or "<name> failed <own job id> <a CUDA error> <message>"
+#: "<name> no error" or "<name> failed <own job id> <a CUDA error> <message>"; `finish(off)`
+#: prints "BROKEN <off.broken>", closes `off` and prints "CLOSED"
 _REPORT = """
     import asyncio
     import kvasync as kv
@@ -256,6 +257,10 @@ _REPORT = """
         except kv.TransferFailedError as e:
             print(name, "failed", e.job_id == t.job_id, "cuda" in str(e).lower(),
                   str(e)[:200])
+    async def finish(off):
+        print("BROKEN", off.broken)
+        await asyncio.wait_for(off.aclose(), 60)
+        print("CLOSED")
 """
 
 
@@ -300,9 +305,7 @@ def test_device_fault_fails_the_transfer_and_aclose_returns() -> None:
             behind = off.load(cpu_chunks=[0], gpu_blocks=[1])
             await report("BAD", bad)
             await report("BEHIND", behind)
-            print("BROKEN", off.broken)
-            await asyncio.wait_for(off.aclose(), 60)
-            print("CLOSED")
+            await finish(off)
         asyncio.run(main())
     """, _REPORT)
     assert "OK True" in out, out
@@ -339,9 +342,7 @@ def test_a_staged_pack_or_unpack_fault_fails_its_transfer(path: str, direction: 
             await report("BAD", bad)
             await report("BEHIND", behind)
             print("STAGED", off.backend.counts["staged"])
-            print("BROKEN", off.broken)
-            await asyncio.wait_for(off.aclose(), 60)
-            print("CLOSED")
+            await finish(off)
         asyncio.run(main())
     """, _REPORT)
     assert "OK True" in out, out
