@@ -24,8 +24,8 @@ below what 0.4 and 0.6 s windows and the bench's interference section measured (
 
 Pitched copies are not measured: where a plan can take them, "auto" keeps choosing them
 by their fixed rule, ahead of a calibration's choice (`_cuda_policy`), and the scratch
-tensors are never evenly spaced (`unevenly_spaced`), so the scratch stands for the plans
-a preference reaches.
+tensors are in an order where no three in a row are evenly spaced (`unevenly_spaced`), so
+the scratch stands for the plans a preference reaches.
 """
 
 from __future__ import annotations

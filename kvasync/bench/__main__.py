@@ -66,7 +66,8 @@ def _parser() -> argparse.ArgumentParser:
                     "4K,16K,64K,256K,2M; quick: 4K,64K)")
     ap.add_argument("--total-mib", type=int, help="MiB per timed transfer (default 1024 on a "
                     "GPU, 128 on the host backend; quick: 32)")
-    ap.add_argument("--reps", type=int, help="timed repetitions, median (default 3; quick: 1)")
+    ap.add_argument("--reps", type=int, help="timed repetitions, median (default 3; quick: 1; "
+                    "bidirectional: at least 7)")
     ap.add_argument("--tensors", type=int, help="KV tensors per layout (default 64; quick: 8)")
     ap.add_argument("--from-json", metavar="FILE",
                     help="re-render a saved bench.json (into --out, if given)")

@@ -376,3 +376,42 @@ def test_the_scratch_order_keeps_a_pool_out_of_the_pitched_rule(count: int) -> N
         off.close()
     assert heights[0] == count
     assert heights[1] <= 2 < PITCHED_MIN_HEIGHT
+
+
+def test_a_calibration_keeps_its_scratch_out_of_the_pitched_rule(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Even where the allocator lays the scratch arrays out evenly spaced (here: slices of
+    one pool), the scratch offloader's transfers have no pitched form of more than 2 lines."""
+    from kvasync._program import mean_height
+
+    pool: list[np.ndarray] = []
+    slices: list[np.ndarray] = []
+    real_np = np
+
+    class _OnePool:  # `np` for _calibrate: zeros() hands out consecutive slices of a pool
+        def __getattr__(self, name: str) -> object:
+            return getattr(real_np, name)
+
+        def zeros(self, shape: tuple[int, int], dtype: object) -> np.ndarray:
+            if not pool:
+                pool.append(real_np.zeros((64, *shape), dtype))
+            slices.append(pool[0][len(slices)])
+            return slices[-1]
+
+    heights: list[float] = []
+    real_incumbent = _calibrate._incumbent
+
+    def spy(scratch: kv.Offloader, ids: tuple[object, object], notes: list[str]
+            ) -> dict[str, str]:
+        heights.append(mean_height(scratch._submitter.plan("d2h", *ids, None, None)))
+        return real_incumbent(scratch, ids, notes)
+
+    monkeypatch.setattr(_calibrate, "np", _OnePool())
+    monkeypatch.setattr(_calibrate, "_incumbent", spy)
+    with _offloader() as off:
+        off.calibrate(seconds=0.02, apply=False)
+    assert len(slices) == 8 and all(s.base is pool[0] for s in slices)
+    in_pool_order = kv.Offloader(kv.KVCacheLayout.from_tensors(slices), num_cpu_chunks=16)
+    assert mean_height(in_pool_order._submitter.plan("d2h", [1, 2], [3, 4], None, None)) == 8
+    in_pool_order.close()
+    assert len(heights) == 1 and heights[0] <= 2

@@ -1,17 +1,16 @@
 """calibrate: what `Offloader.calibrate()` measures and which path it makes "auto" prefer.
 
-Per page size, an offloader over the run's KV tensors count, each allocated on its own
-(as a server's per-layer tensors are; `calibrate()` does not measure pitched), is
-calibrated with its defaults: each path's transfers of 64 MiB, four in flight, for 0.4 s
-(0.05 s with --quick) alone and beside the backend's compute load (on CUDA fp16 8192^3
-matmuls; on the host backend NumPy matmuls in a thread). One row per direction and path:
-`ratio` is its GB/s beside the load over this run's ceiling, ``values.alone_ratio`` the
-same alone, ``extra.tflops_ratio`` the load's kept share, ``extra.chosen`` whether the
+Per page size, an offloader over the run's KV tensors count, each allocated on its own (as a
+server's per-layer tensors are; `calibrate()` does not measure pitched), is calibrated with
+its defaults: each path's transfers of 64 MiB, four in flight, for `calibrate()`'s default
+window (0.05 s with --quick) alone and beside the backend's compute load (on CUDA fp16
+8192^3 matmuls; on the host backend NumPy matmuls in a thread). One row per direction and
+path: `ratio` is its GB/s beside the load over this run's ceiling, ``values.alone_ratio``
+the same alone, ``extra.tflops_ratio`` the load's kept share, ``extra.chosen`` whether the
 calibration chose it (a preference is left only where it differs from the incumbent),
 ``extra.incumbent`` whether "auto" took it before (its fixed rules, on the calibration's
-scratch offloader, whose tensors are never evenly spaced: ``extra.auto_before`` names that
-path); ``values.seconds`` how long the calibration held its
-caller.
+scratch offloader, where no three tensors in a row are evenly spaced: ``extra.auto_before``
+names that path); ``values.seconds`` how long the calibration held its caller.
 """
 
 from __future__ import annotations
