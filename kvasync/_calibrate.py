@@ -259,12 +259,14 @@ def _scratch(backend: Any, count: int, blocks: int, page: int) -> list[Any]:
     """`count` zeroed (blocks, page) byte arrays in the backend's device memory, in
     `unevenly_spaced` order."""
     if backend.name == "host":
-        return unevenly_spaced([np.zeros((blocks, page), np.uint8) for _ in range(count)])
-    from ._backends._cudart import cupy
+        arrays = [np.zeros((blocks, page), np.uint8) for _ in range(count)]
+    else:
+        from ._backends._cudart import cupy
 
-    cp = cupy()
-    with cp.cuda.Device(backend.device_id):
-        return unevenly_spaced([cp.zeros((blocks, page), cp.uint8) for _ in range(count)])
+        cp = cupy()
+        with cp.cuda.Device(backend.device_id):
+            arrays = [cp.zeros((blocks, page), cp.uint8) for _ in range(count)]
+    return unevenly_spaced(arrays)
 
 
 def unevenly_spaced(arrays: list[Any]) -> list[Any]:
