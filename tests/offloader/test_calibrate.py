@@ -357,23 +357,29 @@ def test_an_unknown_incumbent_is_noted_and_the_ranking_goes_without_one() -> Non
     assert rank(rows, 0.97, {}) == rank(rows, 0.97)
 
 
+def _pitched_height(tensors: list[np.ndarray], chunks: int, gpu: list[int],
+                    cpu: list[int]) -> float:
+    """Lines per 2-D copy of a store of `gpu` -> `cpu` on an offloader over `tensors`."""
+    from kvasync._program import mean_height
+
+    off = kv.Offloader(kv.KVCacheLayout.from_tensors(tensors), num_cpu_chunks=chunks)
+    try:
+        return mean_height(off._submitter.plan("d2h", gpu, cpu, None, None))
+    finally:
+        off.close()
+
+
 @pytest.mark.parametrize("count", [1, 2, 3, 8, 9, 64])
 def test_the_scratch_order_keeps_a_pool_out_of_the_pitched_rule(count: int) -> None:
     """Slices of one pool are one 2-D copy per block; in the scratch's order at most two
     tensors are, so the scratch's fixed rules stand for plans the pitched rule leaves."""
     from kvasync._backends._cuda_policy import PITCHED_MIN_HEIGHT
-    from kvasync._program import mean_height
 
     pool = np.zeros((count, 8, 4096), np.uint8)
     views = list(pool)
     order = _calibrate.unevenly_spaced(views)
     assert sorted(id(v) for v in order) == sorted(id(v) for v in views)
-    heights = []
-    for tensors in (views, order):
-        off = kv.Offloader(kv.KVCacheLayout.from_tensors(tensors), num_cpu_chunks=8)
-        heights.append(mean_height(off._submitter.plan("d2h", [1, 5, 2], [0, 3, 4], None,
-                                                       None)))
-        off.close()
+    heights = [_pitched_height(tensors, 8, [1, 5, 2], [0, 3, 4]) for tensors in (views, order)]
     assert heights[0] == count
     assert heights[1] <= 2 < PITCHED_MIN_HEIGHT
 
@@ -411,7 +417,5 @@ def test_a_calibration_keeps_its_scratch_out_of_the_pitched_rule(
     with _offloader() as off:
         off.calibrate(seconds=0.02, apply=False)
     assert len(slices) == 8 and all(s.base is pool[0] for s in slices)
-    in_pool_order = kv.Offloader(kv.KVCacheLayout.from_tensors(slices), num_cpu_chunks=16)
-    assert mean_height(in_pool_order._submitter.plan("d2h", [1, 2], [3, 4], None, None)) == 8
-    in_pool_order.close()
+    assert _pitched_height(slices, 16, [1, 2], [3, 4]) == 8  # in pool order: pitched
     assert len(heights) == 1 and heights[0] <= 2
