@@ -87,23 +87,9 @@ class Transfer(FutureMethods):
     cancelling any of them stops the waiting, never the copy.
     """
 
-    __slots__ = (
-        "__weakref__",
-        "_callbacks",
-        "_cond",
-        "_engine",
-        "_error",
-        "_eta",
-        "_loop_callbacks",
-        "_marks",
-        "_poller",
-        "_resolvers",
-        "_result",
-        "_window",
-        "direction",
-        "job_id",
-        "nbytes",
-    )
+    __slots__ = ("__weakref__", "_callbacks", "_cond", "_engine", "_error", "_eta", "_lock",
+                 "_loop_callbacks", "_marks", "_poller", "_resolvers", "_result", "_window",
+                 "direction", "job_id", "nbytes")
 
     def __init__(self, job_id: int, direction: str, nbytes: int, engine: LoopFutures) -> None:
         self.job_id = job_id
@@ -112,7 +98,11 @@ class Transfer(FutureMethods):
         #: bytes this rank will copy
         self.nbytes = nbytes
         self._engine = engine
-        self._cond = threading.Condition(threading.Lock())
+        #: guards the state below; `_cond` over it is built only for a thread that blocks
+        #: in `wait()` (most transfers are awaited, and a Condition costs the caller of
+        #: `store()`/`load()` microseconds)
+        self._lock = threading.Lock()
+        self._cond: threading.Condition | None = None
         self._result: TransferResult | None = None
         self._error: BaseException | None = None
         #: callbacks added outside any event loop: (fn, context), run by the completing thread
@@ -153,12 +143,12 @@ class Transfer(FutureMethods):
 
     def result(self) -> TransferResult:
         """The result; raises TransferFailedError if it failed, RuntimeError if not done."""
-        with self._cond:
+        with self._lock:
             return self._outcome()
 
     def exception(self) -> BaseException | None:
         """The failure, or None (raises RuntimeError if not done)."""
-        with self._cond:
+        with self._lock:
             if not self.done():
                 raise RuntimeError(f"{self!r} is not done yet")
             return self._error
@@ -190,8 +180,8 @@ class Transfer(FutureMethods):
             lead = self._eta - self._window - start
             if lead > 0:
                 q.poll()  # already over (one event query): no thread wake needed
-                with self._cond:
-                    self._cond.wait_for(self.done, lead if timeout is None else min(
+                with self._lock:
+                    self._waitable().wait_for(self.done, lead if timeout is None else min(
                         lead, timeout))
             now = time.perf_counter()
             stop = max(self._eta, now) + SPIN_GRACE
@@ -202,11 +192,17 @@ class Transfer(FutureMethods):
                 if not poll():
                     time.sleep(0)  # lets the completion thread run
                 now = time.perf_counter()
-        with self._cond:
+        with self._lock:
             left = None if deadline is None else max(0.0, deadline - time.perf_counter())
-            if not self._cond.wait_for(self.done, left):
+            if not self._waitable().wait_for(self.done, left):
                 raise TimeoutError(f"{self!r} did not finish within {timeout} s")
             return self._outcome()
+
+    def _waitable(self) -> threading.Condition:
+        """The condition a blocking `wait()` sleeps on (call with `_lock` held)."""
+        if self._cond is None:
+            self._cond = threading.Condition(self._lock)
+        return self._cond
 
     def add_done_callback(
         self, fn: Callable[[Transfer], object], *, context: contextvars.Context | None = None
@@ -230,7 +226,7 @@ class Transfer(FutureMethods):
             if not self._engine.watch(self, (fn, loop, context)):
                 loop.call_soon(_run_callback, fn, self, context=context)
             return
-        with self._cond:
+        with self._lock:
             if not self.done():
                 self._callbacks.append((fn, context))
                 return
@@ -239,7 +235,7 @@ class Transfer(FutureMethods):
 
     def remove_done_callback(self, fn: Callback) -> int:
         """Remove every registration of `fn` that has not run yet; returns how many."""
-        with self._cond:
+        with self._lock:
             before = len(self._callbacks) + len(self._loop_callbacks)
             self._callbacks = [c for c in self._callbacks if c[0] != fn]
             self._loop_callbacks = [c for c in self._loop_callbacks if c[0] != fn]
@@ -250,7 +246,7 @@ class Transfer(FutureMethods):
         loop's thread once the transfer is done, in completion order)."""
         if not self._loop_callbacks:  # ours are added on this thread: no lock needed to see
             return
-        with self._cond:
+        with self._lock:
             mine = [(fn, ctx) for fn, lp, ctx in self._loop_callbacks if lp is loop]
             if mine:
                 self._loop_callbacks = [c for c in self._loop_callbacks if c[1] is not loop]
@@ -294,7 +290,7 @@ class Transfer(FutureMethods):
         """Register a loop resolver to be told on completion (and a done-callback it will
         schedule); False if already done (`keep`: the callback is held all the same, for a
         resolver that schedules it now: `_LoopResolver.queue_done`)."""
-        with self._cond:
+        with self._lock:
             if self.done():
                 if keep and callback is not None:
                     self._loop_callbacks.append(callback)
@@ -306,7 +302,7 @@ class Transfer(FutureMethods):
             return True
 
     def _complete(self, result: TransferResult | None, error: BaseException | None) -> None:
-        with self._cond:
+        with self._lock:
             if self.done():
                 return
             if error is not None:
@@ -321,7 +317,8 @@ class Transfer(FutureMethods):
                 self._result = result
             callbacks, self._callbacks = self._callbacks, []
             resolvers, self._resolvers = self._resolvers, []
-            self._cond.notify_all()
+            if self._cond is not None:
+                self._cond.notify_all()
         for resolver in resolvers:
             resolver.notify(self)
         for fn, ctx in callbacks:

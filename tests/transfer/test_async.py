@@ -134,6 +134,37 @@ def test_sync_wait_without_a_loop_and_timeouts(gate: Gate) -> None:
     off.close()
 
 
+def test_threads_blocked_in_wait_all_wake_when_it_completes(gate: Gate) -> None:
+    """`wait()` builds its condition on first use (under the transfer's lock): every thread
+    blocked in it before the completion wakes, and one arriving after returns at once."""
+    gpu, off = make()
+    t = off.store(gpu_blocks=[0, 1], cpu_chunks=[0, 1], stream=gate.stream)
+    results: list[bool] = []
+    waiters = [threading.Thread(target=lambda: results.append(t.wait(timeout=60).success),
+                                daemon=True) for _ in range(4)]
+    for w in waiters:
+        w.start()
+    deadline = time.monotonic() + 5
+    while t._cond is None and time.monotonic() < deadline:  # a waiter blocks in it
+        time.sleep(0.001)
+    gate.open()
+    for w in waiters:  # woken by the completion, well before their own timeout
+        w.join(timeout=5)
+    assert results == [True] * 4 and not any(w.is_alive() for w in waiters)
+    assert t.wait(timeout=0).success
+    off.close()
+
+
+@pytest.mark.asyncio
+async def test_an_awaited_transfer_builds_no_condition() -> None:
+    """Only a blocking `wait()` needs a condition: `store()` and `await` build none (it
+    cost the caller of `store()` microseconds)."""
+    gpu, off = make()
+    t = off.store(gpu_blocks=[0], cpu_chunks=[0])
+    assert (await t).success and t._cond is None
+    off.close()
+
+
 @pytest.mark.asyncio
 async def test_sync_wait_inside_a_running_loop_like_jupyter(gate: Gate) -> None:
     """A notebook cell runs inside the kernel's loop: `wait()` must not deadlock there."""
