@@ -145,7 +145,9 @@ def build_ref_table(
     groups_of_tensor: dict[int, list[int]] = {}
     for g, refs in enumerate(layout.groups):
         for ref in refs:
-            groups_of_tensor.setdefault(ref.tensor_idx, []).append(g)
+            gs = groups_of_tensor.setdefault(ref.tensor_idx, [])
+            if g not in gs:  # once per group: two refs of one group (a tensor's K and V
+                gs.append(g)  # halves) write one slot, checked within the group
     row = 0
     for refs in layout.groups:
         # consecutive refs sharing a writer rotation form one partition (keeps ref order)

@@ -28,6 +28,35 @@ def test_two_refs_on_disjoint_halves_of_one_tensor_round_trip() -> None:
     assert not t[[0, 2, 3, 4, 5, 7]].any()
 
 
+@pytest.mark.parametrize("path", ["auto", "memmove", "staged"])  # pitched: whole pages
+@pytest.mark.parametrize("case", ["group_sizes", "block_indices", "many ids", "2 per chunk"])
+def test_two_halves_of_one_tensor_in_one_group_off_the_small_path(path: str, case: str) -> None:
+    """The general plan builder (group sizes, block indices, > 256 ids, chunks of several
+    blocks) takes a group with two refs on one tensor: one slot, two byte ranges, not a
+    duplicate destination."""
+    blocks = 512
+    t = _kv_rows(blocks)
+    orig = t.copy()
+    layout = kv.KVCacheLayout([t], [[kv.KVRef(0, 64), kv.KVRef(0, 64, offset_bytes=64)]])
+    bpc = 2 if case == "2 per chunk" else 1
+    n = 300 if case == "many ids" else 3
+    gpu = list(range(blocks - n, blocks))[::-1]
+    kw: dict[str, object] = {}
+    if case == "group_sizes":
+        kw["group_sizes"] = [n]
+    if case == "block_indices":
+        kw["block_indices"] = [0]
+    chunks = list(range(-(-n // bpc)))[::-1]
+    with kv.Offloader(layout, blocks, blocks_per_chunk=bpc, backend="host") as off:
+        assert off.store(gpu_blocks=gpu, cpu_chunks=chunks, path=path, **kw).wait(5).bytes == (
+            n * 128)
+        t[:] = 0
+        dst = list(range(n))
+        off.load(cpu_chunks=chunks, gpu_blocks=dst, path=path, **kw).wait(5)
+    np.testing.assert_array_equal(t[:n], orig[gpu])
+    assert not t[n:].any()
+
+
 def test_a_ref_on_the_v_half_only_copies_only_those_bytes() -> None:
     t = _kv_rows()
     orig = t.copy()
