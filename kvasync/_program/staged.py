@@ -191,7 +191,7 @@ def staged_rows(plan: TransferPlan, gpu_to_cpu: bool, slab_bytes: int) -> RowSid
         refs = (segs[0].refs if len(segs) == 1
                 else np.unique(np.concatenate([s.refs for s in segs])))
         rows = row_window(table, rows, refs, gpu_to_cpu)
-    if int(slab_bytes) // rows.span < 1:
+    if segs and int(slab_bytes) // rows.span < 1:  # a plan moving nothing needs no buffer
         return None
     return rows
 

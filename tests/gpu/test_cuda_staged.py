@@ -135,6 +135,29 @@ async def test_layerwise_staged_loads_signal_each_layer(staging_kib: int) -> Non
     await off.aclose()
 
 
+def test_a_plan_moving_nothing_is_staged_whatever_the_row_size() -> None:
+    """A row (768 KiB) wider than a staging buffer (512 KiB) refuses only plans that move
+    bytes: empty groups and the empty layer of a layer-wise load complete on the device."""
+    page, blocks = 384 << 10, 4
+    gpu = [_u8((blocks, page), seed=90 + i) for i in range(2)]
+    lay = kv.KVCacheLayout(gpu, [[kv.KVRef(0)], [kv.KVRef(1)]])
+    with kv.Offloader(lay, blocks, backend="cuda", staging_bytes=2 << 20) as off:
+        assert off.store(gpu_blocks=[], cpu_chunks=[], group_sizes=[0, 0],
+                         path="staged").wait(30).bytes == 0
+        assert off.store(gpu_blocks=[3], cpu_chunks=[2], group_sizes=[1, 0],
+                         path="staged").wait(30).bytes == page
+        with pytest.raises(kv.InvalidTransferError, match="staged"):
+            off.store(gpu_blocks=[3, 1], cpu_chunks=[2, 1], group_sizes=[1, 1],
+                      path="staged")
+        want = _np(gpu[0])[3].copy()
+        gpu[0][1].zero_()
+        t = off.load_layerwise(cpu_chunks=[2], gpu_blocks=[1], group_sizes=[1, 0],
+                               path="staged")
+        assert t.wait(30).success and [x.wait(30).bytes for x in t.layers] == [page, 0]
+        np.testing.assert_array_equal(_np(gpu[0])[1], want)
+        assert off.backend.counts["staged"] >= 2  # type: ignore[attr-defined]
+
+
 def test_unstageable_plans_are_refused_before_anything_is_enqueued() -> None:
     """A row larger than one staging buffer: explicit 'staged' raises, 'auto' falls back."""
     page, blocks = 1 << 20, 4

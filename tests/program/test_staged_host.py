@@ -76,6 +76,35 @@ def test_a_row_larger_than_a_staging_buffer_is_refused_before_enqueue() -> None:
     off.close()
 
 
+def test_a_plan_moving_nothing_is_staged_whatever_the_row_size() -> None:
+    """A row wider than a staging buffer refuses only plans that move bytes: a store of
+    empty groups, a non-writer's store and the empty layer of a layer-wise load complete
+    with nothing moved, as on every other path."""
+    gpu = [np.random.default_rng(i).integers(0, 256, (8, 256), dtype=np.uint8)
+           for i in range(2)]
+    lay = kv.KVCacheLayout(gpu, [[kv.KVRef(0)], [kv.KVRef(1)]])  # a group: half a row
+    with kv.Offloader(lay, 4, staging_bytes=600) as off:  # 300 B buffers: a group fits
+        assert off.store(gpu_blocks=[], cpu_chunks=[], group_sizes=[0, 0],
+                         path="staged").wait(5).bytes == 0
+        assert off.store(gpu_blocks=[3], cpu_chunks=[2], group_sizes=[1, 0],
+                         path="staged").wait(5).bytes == 256
+        with pytest.raises(kv.InvalidTransferError, match="staged"):  # a whole row
+            off.store(gpu_blocks=[3, 4], cpu_chunks=[2, 1], group_sizes=[1, 1],
+                      path="staged")
+        gpu[0][5] = 0
+        t = off.load_layerwise(cpu_chunks=[2], gpu_blocks=[5], group_sizes=[1, 0],
+                               path="staged")
+        assert t.wait(5).success and [x.wait(5).bytes for x in t.layers] == [256, 0]
+        np.testing.assert_array_equal(gpu[0][5], gpu[0][3])
+    m = kv.PageMapping(256, 256, kv.PageMapping.identity(256).runs, num_writers=2,
+                       writer_index=1)
+    lay = kv.KVCacheLayout(gpu, [[kv.KVRef(0, mapping=m)], [kv.KVRef(1, mapping=m)]])
+    with kv.Offloader(lay, 4, canonical=True, staging_bytes=600) as off:
+        assert off.store(gpu_blocks=[1], cpu_chunks=[0], group_sizes=[1, 0],
+                         path="staged").wait(5).bytes == 0  # chunk 0: writer 0's
+        assert not off.cpu_tensors[0][0].any()
+
+
 def test_staging_memory_is_bounded_by_default_configurable_and_reported() -> None:
     """64 MiB per direction by default on CUDA (the class default, read without a GPU);
     an offloader reports what it was given."""
