@@ -67,23 +67,22 @@ def build_host_side(
         views = caller_views(layout, host_tensors, pages, num_cpu_chunks)
         pinned, memory = pin_caller_views(backend, host_tensors, views)
     elif host_region is not None:
-        for page in pages:
-            if canonical:
-                view = host_region.create_next_canonical_view(page)
-            else:
-                view = host_region.create_next_worker_view(page)
-            if view.shape[0] < num_cpu_chunks:
-                raise InvalidTransferError(
-                    f"host_region has {view.shape[0]} rows, need num_cpu_chunks="
-                    f"{num_cpu_chunks}"
-                )
-            views.append(view[:num_cpu_chunks])
-        pin = backend.pin_functions()
-        if pin is not None and not host_region.is_pinned:
-            host_region.pin(*pin)
-        pinned = bool(host_region.is_pinned) or pin is None
-        for v in views:
-            backend.register_array(array_info(v))
+        if host_region.num_rows < num_cpu_chunks:  # checked before anything is carved
+            raise InvalidTransferError(
+                f"host_region has {host_region.num_rows} rows, need num_cpu_chunks="
+                f"{num_cpu_chunks}"
+            )
+        carved, undo = host_region._carve(pages, canonical)
+        views = [v[:num_cpu_chunks] for v in carved]
+        try:
+            pinned = _pin_region(backend, host_region, views)
+            tables = _ref_tables(layout, backend, views, sub_bytes, blocks_per_chunk,
+                                 canonical, False)
+        except BaseException:  # refused after carving: the views go back to the region
+            undo()
+            raise
+        _own(tables, memory, host_region, layout, host_tensors)
+        return HostSide(views, memory, pinned, chunk_bytes, tables)
     else:
         # one row per chunk, every tensor's sub-blocks side by side (see row_offsets)
         offsets, row_bytes = row_offsets(layout, pages)
@@ -99,7 +98,28 @@ def build_host_side(
         rows = mem.array[: num_cpu_chunks * row_bytes].reshape(-1, row_bytes)
         views = [rows[:, off : off + page] for off, page in zip(offsets, pages)]
         pinned = mem.pinned or backend.pin_functions() is None
+    tables = _ref_tables(layout, backend, views, sub_bytes, blocks_per_chunk, canonical,
+                         host_tensors is not None)
+    _own(tables, memory, host_region, layout, host_tensors)
+    return HostSide(views, memory, pinned, chunk_bytes, tables)
 
+
+def _pin_region(backend: Backend, host_region: Any, views: list[np.ndarray]) -> bool:
+    """Pin a shared region once (where the backend pins) and register its views; whether
+    the host copy is pinned (or needs no pinning)."""
+    pin = backend.pin_functions()
+    if pin is not None and not host_region.is_pinned:
+        host_region.pin(*pin)
+    for v in views:
+        backend.register_array(array_info(v))
+    return bool(host_region.is_pinned) or pin is None
+
+
+def _ref_tables(layout: KVCacheLayout, backend: Backend, views: list[np.ndarray],
+                sub_bytes: Sequence[int], blocks_per_chunk: int, canonical: bool,
+                separate: bool) -> dict[Direction, RefTable]:
+    """Both sides' geometry and each direction's ref table over the host `views` (`separate`:
+    each view is its own allocation)."""
     gpu_geo = SideGeometry(
         base=[t.info.ptr for t in layout.tensors],
         row_stride=[
@@ -114,22 +134,25 @@ def build_host_side(
         base=[int(v.ctypes.data) for v in views],
         row_stride=[int(v.strides[0]) for v in views],
         sub_stride=list(sub_bytes),
-        num_rows=[num_cpu_chunks] * len(views),
+        num_rows=[int(v.shape[0]) for v in views],
         factor=blocks_per_chunk,
         # the offloader's rows and a region are one allocation, pinned in whole rows; caller
         # arrays are pinned one by one, so each is its own (even views of one buffer)
-        alloc=list(range(len(views))) if host_tensors is not None else [0] * len(views),
+        alloc=list(range(len(views))) if separate else [0] * len(views),
     )
-    tables: dict[Direction, RefTable] = {
+    return {
         "d2h": build_ref_table(layout, gpu_geo, host_geo, True, canonical),
         "h2d": build_ref_table(layout, gpu_geo, host_geo, False, canonical),
     }
+
+
+def _own(tables: dict[Direction, RefTable], memory: list[HostMemory], host_region: Any | None,
+         layout: KVCacheLayout, host_tensors: Sequence[Any] | None) -> None:
+    """Every plan holds its table, and the table what its addresses point into: the host
+    memory or region, the layout's tensors (and their torch storages), the caller's arrays."""
     for table in tables.values():
-        # every plan holds its table, and the table what its addresses point into: the
-        # layout's tensors (and their torch storages) too
         table.owners += [*memory, *([host_region] if host_region is not None else []), layout,
                          *(host_tensors or [])]
-    return HostSide(views, memory, pinned, chunk_bytes, tables)
 
 
 def caller_views(

@@ -154,6 +154,29 @@ class SharedHostRegion:
         with self._lock:
             return self._views.next_canonical(self._check_open(), self._geo, page)
 
+    def _carve(self, pages: list[int], canonical: bool
+               ) -> tuple[list[np.ndarray], Callable[[], None]]:
+        """The next view of each of `pages` bytes (canonical or worker), all or none, and an
+        undo that gives them back if nothing was carved after them: an `Offloader` refused
+        part-way leaves the cursor where it was, so every rank's views still agree."""
+        with self._lock:
+            base = self._check_open()
+            carve = self._views.next_canonical if canonical else self._views.next_worker
+            before = (self._views.mode, self._views.cursor)
+            try:
+                views = [carve(base, self._geo, page_arg(p)) for p in pages]
+            except BaseException:
+                self._views.mode, self._views.cursor = before
+                raise
+            after = (self._views.mode, self._views.cursor)
+
+        def undo() -> None:
+            with self._lock:
+                if (self._views.mode, self._views.cursor) == after:
+                    self._views.mode, self._views.cursor = before
+
+        return views, undo
+
     def raw_view(self) -> np.ndarray:
         """The whole region as ``(num_rows, row_stride)`` uint8, zero-copy (for secondary
         tiers that persist rows, and for tests that read the raw layout)."""

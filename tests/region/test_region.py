@@ -119,6 +119,55 @@ def test_canonical_views_are_the_same_bytes_for_every_rank(names: Names) -> None
     unranked.close()
 
 
+@pytest.mark.parametrize("how", ["too many chunks", "overflow mid-carve", "after carving"])
+def test_an_offloader_refused_over_a_region_carves_nothing(
+        names: Names, how: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A refused `Offloader(host_region=...)` leaves the cursor where it was, however far it
+    got, so a retry carves what every other rank carved: canonical views must agree."""
+    import kvasync._hostside as hostside
+
+    name = names()
+    ranks = [SharedHostRegion(name, 4, PAGE, r, 2) for r in range(2)]
+    gpu = [np.random.default_rng(i).integers(0, 256, (8, 32), dtype=np.uint8)
+           for i in range(2)]
+
+    def offloader(region: SharedHostRegion, chunks: int, tensors: list[np.ndarray],
+                  ) -> kv.Offloader:
+        layout = kv.KVCacheLayout(tensors, [[
+            kv.KVRef(i, mapping=kv.PageMapping.identity(t.shape[1]))
+            for i, t in enumerate(tensors)]])
+        return kv.Offloader(layout, chunks, backend="host", host_region=region,
+                            canonical=True)
+
+    first = offloader(ranks[0], 4, gpu)
+    if how == "too many chunks":
+        with pytest.raises(kv.InvalidTransferError, match="4 rows"):
+            offloader(ranks[1], 8, gpu)
+    elif how == "overflow mid-carve":  # the first tensor's view fits, the second's not
+        wide = [np.zeros((8, 32), np.uint8), np.zeros((8, PAGE), np.uint8)]
+        with pytest.raises(RegionOverflowError):
+            offloader(ranks[1], 4, wide)
+    else:
+        def refuse(*args: object) -> None:
+            raise kv.InvalidTransferError("refused after carving")
+        with monkeypatch.context() as m:
+            m.setattr(hostside, "_ref_tables", refuse)
+            with pytest.raises(kv.InvalidTransferError, match="after carving"):
+                offloader(ranks[1], 4, gpu)
+    mine = [np.zeros_like(g) for g in gpu]
+    second = offloader(ranks[1], 4, mine)
+    assert ([v.ctypes.data - ranks[1].base_ptr for v in second.cpu_tensors]
+            == [v.ctypes.data - ranks[0].base_ptr for v in first.cpu_tensors] == [0, 32])
+    first.store(gpu_blocks=[5], cpu_chunks=[2]).wait(5)  # rank 0 writes, rank 1 reads
+    second.load(cpu_chunks=[2], gpu_blocks=[0]).wait(5)
+    np.testing.assert_array_equal(mine[0][0], gpu[0][5])
+    np.testing.assert_array_equal(mine[1][0], gpu[1][5])
+    for off in (first, second):
+        off.close()
+    for region in ranks:
+        region.close()
+
+
 # -- data ---------------------------------------------------------------------------------------
 
 
