@@ -127,6 +127,10 @@ def array_info(x: Any, what: str = "tensor") -> ArrayInfo:
             dtype=_dtype_name(x.dtype),
         )
     if isinstance(x, np.ndarray):
+        if x.dtype.hasobject:  # copying its bytes would copy references without counting
+            raise InvalidTransferError(
+                f"{what}: a NumPy array of dtype {x.dtype} holds Python objects, not bytes"
+            )
         return ArrayInfo(
             ptr=int(x.ctypes.data),
             shape=tuple(int(s) for s in x.shape),

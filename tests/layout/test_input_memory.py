@@ -279,6 +279,24 @@ def test_read_only_memory_is_refused_when_the_layout_is_built(
     np.testing.assert_array_equal(arr, before)
 
 
+@pytest.mark.parametrize("dtype", [object, [("a", np.int64), ("b", object)]])
+@pytest.mark.parametrize("build", ["from_tensors", "KVCacheLayout", "from_vllm", "host_tensors"])
+def test_arrays_of_python_objects_are_refused(dtype: object, build: str) -> None:
+    """Copying an object array's bytes copies references without counting them (a freed
+    object still referenced): refused as a KV tensor and as a caller's host array."""
+    objs = np.empty((8, 4), dtype=dtype)
+    ok = np.zeros((8, 64), np.uint8)
+    calls = {
+        "from_tensors": lambda: kv.KVCacheLayout.from_tensors([objs]),
+        "KVCacheLayout": lambda: kv.KVCacheLayout([objs]),
+        "from_vllm": lambda: kv.KVCacheLayout.from_vllm([objs.reshape(8, 2, 2)]),
+        "host_tensors": lambda: kv.Offloader(kv.KVCacheLayout.from_tensors([ok]), 8,
+                                             backend="host", host_tensors=[objs]),
+    }
+    with pytest.raises(kv.InvalidTransferError, match="Python objects"):
+        calls[build]()
+
+
 # -- aliased memory ------------------------------------------------------------------------------
 def _aliases() -> dict[str, list[np.ndarray]]:
     x = np.zeros((16, 64), np.uint8)
