@@ -11,7 +11,7 @@ staged path is not offered for them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -25,6 +25,7 @@ from ._hostmem import pin_chunks, row_offsets, unpin_chunks
 from ._layout import KVCacheLayout
 from ._memory import overlapping_pair
 from ._program import RefTable, SideGeometry, build_ref_table
+from ._region import SharedHostRegion
 
 __all__ = ["HostSide", "build_host_side"]
 
@@ -67,13 +68,7 @@ def build_host_side(
         views = caller_views(layout, host_tensors, pages, num_cpu_chunks)
         pinned, memory = pin_caller_views(backend, host_tensors, views)
     elif host_region is not None:
-        if host_region.num_rows < num_cpu_chunks:  # checked before anything is carved
-            raise InvalidTransferError(
-                f"host_region has {host_region.num_rows} rows, need num_cpu_chunks="
-                f"{num_cpu_chunks}"
-            )
-        carved, undo = host_region._carve(pages, canonical)
-        views = [v[:num_cpu_chunks] for v in carved]
+        views, undo = _region_views(host_region, pages, canonical, num_cpu_chunks)
         try:
             pinned = _pin_region(backend, host_region, views)
             tables = _ref_tables(layout, backend, views, sub_bytes, blocks_per_chunk,
@@ -102,6 +97,31 @@ def build_host_side(
                          host_tensors is not None)
     _own(tables, memory, host_region, layout, host_tensors)
     return HostSide(views, memory, pinned, chunk_bytes, tables)
+
+
+def _region_views(host_region: Any, pages: list[int], canonical: bool, num_cpu_chunks: int
+                  ) -> tuple[list[np.ndarray], Callable[[], None]]:
+    """`num_cpu_chunks` rows of the region's next view of each of `pages` bytes, and an
+    undo that gives them back. A `SharedHostRegion` carves them all or none, after the row
+    check, so a refused `Offloader` leaves its cursor alone; another object of the region
+    protocol (``create_next_*_view``, ``pin``, ``is_pinned``) is asked view by view."""
+    def rows(n: int) -> None:
+        if n < num_cpu_chunks:
+            raise InvalidTransferError(
+                f"host_region has {n} rows, need num_cpu_chunks={num_cpu_chunks}")
+
+    if isinstance(host_region, SharedHostRegion):
+        rows(host_region.num_rows)
+        carved, undo = host_region._carve(pages, canonical)
+        return [v[:num_cpu_chunks] for v in carved], undo
+    make = (host_region.create_next_canonical_view if canonical
+            else host_region.create_next_worker_view)
+    views = []
+    for page in pages:
+        view = make(page)
+        rows(view.shape[0])
+        views.append(view[:num_cpu_chunks])
+    return views, lambda: None
 
 
 def _pin_region(backend: Backend, host_region: Any, views: list[np.ndarray]) -> bool:

@@ -38,7 +38,7 @@ from ._errors import (
 )
 from ._hostmem import MAX_REGISTER_CHUNK_BYTES, Register, Unregister
 from ._region_file import RegionFile, new_name, remove_stale
-from ._region_geometry import Populate, RegionGeometry, ViewCarver, page_arg, region_geometry
+from ._region_geometry import Populate, RegionGeometry, ViewCarver, region_geometry
 from ._region_pages import MADV_POPULATE_WRITE, RegionPins, pin_slice, populate, populate_spans
 
 __all__ = [
@@ -143,39 +143,20 @@ class SharedHostRegion:
     def create_next_worker_view(self, page_bytes: int) -> np.ndarray:
         """The next sub-slot of this rank's slot of every row: ``(num_rows, page_bytes)``
         uint8 with row stride `row_stride`. Overflow raises and leaves the cursor alone."""
-        page = page_arg(page_bytes)
-        with self._lock:
-            return self._views.next_worker(self._check_open(), self._geo, page)
+        return self._carve([page_bytes], False)[0][0]
 
     def create_next_canonical_view(self, page_bytes: int) -> np.ndarray:
         """The next `page_bytes` of every row from the row start, the same bytes for every
         rank (each rank makes the same calls in the same order, so the cursors agree)."""
-        page = page_arg(page_bytes)
-        with self._lock:
-            return self._views.next_canonical(self._check_open(), self._geo, page)
+        return self._carve([page_bytes], True)[0][0]
 
     def _carve(self, pages: list[int], canonical: bool
                ) -> tuple[list[np.ndarray], Callable[[], None]]:
-        """The next view of each of `pages` bytes (canonical or worker), all or none, and an
-        undo that gives them back if nothing was carved after them: an `Offloader` refused
-        part-way leaves the cursor where it was, so every rank's views still agree."""
+        """The next view of each of `pages` bytes, all or none, and their undo
+        (`ViewCarver.carve`): a refused `Offloader` carves nothing."""
         with self._lock:
-            base = self._check_open()
-            carve = self._views.next_canonical if canonical else self._views.next_worker
-            before = (self._views.mode, self._views.cursor)
-            try:
-                views = [carve(base, self._geo, page_arg(p)) for p in pages]
-            except BaseException:
-                self._views.mode, self._views.cursor = before
-                raise
-            after = (self._views.mode, self._views.cursor)
-
-        def undo() -> None:
-            with self._lock:
-                if (self._views.mode, self._views.cursor) == after:
-                    self._views.mode, self._views.cursor = before
-
-        return views, undo
+            return self._views.carve(self._check_open(), self._geo, pages, canonical,
+                                     self._lock)
 
     def raw_view(self) -> np.ndarray:
         """The whole region as ``(num_rows, row_stride)`` uint8, zero-copy (for secondary

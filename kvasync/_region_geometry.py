@@ -10,6 +10,8 @@ region owns the mapping, the lock and the file.
 from __future__ import annotations
 
 import mmap
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -151,3 +153,25 @@ class ViewCarver:
         self.cursor += page
         self.mode = "canonical"
         return view
+
+    def carve(self, base: np.ndarray, geo: RegionGeometry, pages: list[int], canonical: bool,
+              lock: threading.Lock) -> tuple[list[np.ndarray], Callable[[], None]]:
+        """The next view of each of `pages` bytes, all or none (a failure leaves the cursor
+        where it was), and an undo (taking `lock`) that gives them back if nothing was
+        carved after them: an `Offloader` refused part-way leaves the cursor alone, so
+        every rank's canonical views still agree."""
+        before = (self.mode, self.cursor)
+        nxt = self.next_canonical if canonical else self.next_worker
+        try:
+            views = [nxt(base, geo, page_arg(p)) for p in pages]
+        except BaseException:
+            self.mode, self.cursor = before
+            raise
+        after = (self.mode, self.cursor)
+
+        def undo() -> None:
+            with lock:
+                if (self.mode, self.cursor) == after:
+                    self.mode, self.cursor = before
+
+        return views, undo
