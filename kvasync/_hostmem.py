@@ -9,6 +9,7 @@ rolled back in reverse order if any chunk fails.
 
 from __future__ import annotations
 
+import errno
 import logging
 import mmap
 import weakref
@@ -65,7 +66,10 @@ def alloc_mmap(nbytes: int) -> tuple[mmap.mmap, np.ndarray, int]:
     """An anonymous private mapping of `nbytes` (>= 1 page) as a uint8 array and its address."""
     size = max(int(nbytes), 1)
     size = -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
-    mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except (OverflowError, ValueError) as exc:  # beyond any address space: as out of memory
+        raise OSError(errno.ENOMEM, f"cannot map {size} B: {exc}") from exc
     arr = np.frombuffer(mm, dtype=np.uint8, count=size)
     return mm, arr, int(arr.ctypes.data)
 

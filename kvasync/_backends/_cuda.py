@@ -27,7 +27,7 @@ import threading
 from typing import TYPE_CHECKING
 
 from .._errors import InvalidTransferError, TransferFailedError
-from .._program import check_stageable, mean_height, staged_rows
+from .._program import check_stageable, mean_height, stageable
 from . import _cuda_dma, _cuda_policy, _cudart
 from ._base import Direction, Event, Overlap, Stream
 from ._cuda_device import (
@@ -198,7 +198,7 @@ class CudaBackend(CudaDevice):
 
     def _stage(self, plan: TransferPlan, direction: Direction) -> bool:
         """Whether "auto" may stage `plan` (its program is built piece by piece later)."""
-        return staged_rows(plan, direction == "d2h", self._ring(direction).slab_bytes) is not None
+        return stageable(lambda: self._ring(direction).slab_bytes, plan, direction == "d2h")
 
     def calibration(self) -> Calibration:
         """The device's measured path costs (the first call in the process measures them,

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .._errors import TransferFailedError
+from .._errors import InvalidTransferError, TransferFailedError
 from .._program import StagedProgram, TransferPlan, prepare_staged, slab_descriptors, staging_table
 from . import _cudart
 from ._base import Direction, Event, Overlap
@@ -107,8 +107,8 @@ class StagedPath:
     def ring(self, direction: str, device: CudaDevice, staging_bytes: int,
              buffers: int) -> StagingRing:
         """The staging ring of `direction`, allocated on `device` at first use (in
-        max(`buffers`, 2) buffers of `staging_bytes` / that count); later calls return it
-        whatever they pass."""
+        max(`buffers`, 2) buffers of `staging_bytes` / that count; InvalidTransferError
+        where the device cannot give that much); later calls return it whatever they pass."""
         ring = self.rings.get(direction)
         if ring is not None:
             return ring
@@ -116,7 +116,12 @@ class StagedPath:
             ring = self.rings.get(direction)
             if ring is None:
                 n = max(int(buffers), 2)
-                ring = StagingRing(device, max(int(staging_bytes) // n, 1), n)
+                try:
+                    ring = StagingRing(device, max(int(staging_bytes) // n, 1), n)
+                except (MemoryError, OverflowError, ValueError) as exc:  # CuPy's OOM too
+                    raise InvalidTransferError(
+                        f"cannot allocate the staged path's staging_bytes={staging_bytes} "
+                        f"per direction on the device: {exc}") from exc
                 self.rings[direction] = ring
             return ring
 

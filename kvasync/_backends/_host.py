@@ -30,7 +30,7 @@ from .._program import (
     pitched_lines,
     prepare_staged,
     slab_descriptors,
-    staged_rows,
+    stageable,
 )
 from ._base import Backend, Direction, Event, HostMemory, Stream
 from ._calibrated import ComputeLoad, HostMatmulLoad, preferred
@@ -218,7 +218,11 @@ class _HostRing:
 
     def __init__(self, nbytes: int) -> None:
         self.slab_bytes = max(int(nbytes) // 2, 1)
-        self.buffers = [host_memory(self.slab_bytes, self.slab_bytes) for _ in range(2)]
+        try:
+            self.buffers = [host_memory(self.slab_bytes, self.slab_bytes) for _ in range(2)]
+        except (OSError, MemoryError) as exc:
+            raise InvalidTransferError(f"cannot allocate the staged path's staging_bytes="
+                                       f"{nbytes} per direction: {exc}") from exc
         self.lock = threading.Lock()
 
 
@@ -298,8 +302,8 @@ class HostBackend(Backend):
         if path != "auto":  # "memmove", as asked
             return "memmove"
         chosen = preferred(self.preference(direction), plan, urgent, layered, lambda p: (
-            p == "memmove" or (p == "staged" and staged_rows(
-                plan, direction == "d2h", self._ring(direction).slab_bytes) is not None)))
+            p == "memmove" or (p == "staged" and stageable(
+                lambda: self._ring(direction).slab_bytes, plan, direction == "d2h"))))
         return chosen or "memmove"
 
     def compute_load(self) -> ComputeLoad:

@@ -23,6 +23,7 @@ from .staged import (
     kernel_plan,
     prepare_staged,
     slab_descriptors,
+    stageable,
     staged_rows,
 )
 from .table import RefTable, SideGeometry, build_ref_table
@@ -53,6 +54,7 @@ __all__ = [
     "row_side",
     "slab_descriptors",
     "split_plan",
+    "stageable",
     "staged_rows",
     "staging_table",
 ]

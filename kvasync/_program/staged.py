@@ -31,6 +31,7 @@ each ref set is computed once per (refs, covered sub-blocks) and cached on the t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -49,7 +50,7 @@ from .rows import (
 from .table import U64, RefTable
 
 __all__ = ["Slab", "StagedProgram", "build_staged", "check_stageable", "kernel_plan",
-           "prepare_staged", "slab_descriptors", "staged_rows"]
+           "prepare_staged", "slab_descriptors", "stageable", "staged_rows"]
 
 
 @dataclass(frozen=True)
@@ -194,6 +195,17 @@ def staged_rows(plan: TransferPlan, gpu_to_cpu: bool, slab_bytes: int) -> RowSid
     if segs and int(slab_bytes) // rows.span < 1:  # a plan moving nothing needs no buffer
         return None
     return rows
+
+
+def stageable(slab_bytes: Callable[[], int], plan: TransferPlan, gpu_to_cpu: bool) -> bool:
+    """Whether "auto" may stage `plan`: a backend's check, with `slab_bytes()` its staging
+    buffer (allocated at first use: InvalidTransferError where it cannot be, and then the
+    answer is no)."""
+    try:
+        slab = slab_bytes()
+    except InvalidTransferError:
+        return False
+    return staged_rows(plan, gpu_to_cpu, slab) is not None
 
 
 def build_staged(plan: TransferPlan, gpu_to_cpu: bool, slab_bytes: int) -> StagedProgram | None:

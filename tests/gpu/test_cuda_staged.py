@@ -158,6 +158,21 @@ def test_a_plan_moving_nothing_is_staged_whatever_the_row_size() -> None:
         assert off.backend.counts["staged"] >= 2  # type: ignore[attr-defined]
 
 
+@pytest.mark.parametrize("staging", [1 << 50, 1 << 70])
+def test_staging_the_device_cannot_hold_refuses_staged_calls_only(staging: int) -> None:
+    """The ring is allocated at the staged path's first use: a call that asks for it gets
+    an InvalidTransferError with nothing enqueued, and "auto" copies without it."""
+    gpu = [_u8((64, 4096), seed=95 + i) for i in range(4)]
+    off = kv.Offloader(kv.KVCacheLayout.from_tensors(gpu), 64, backend="cuda",
+                       staging_bytes=staging)
+    with pytest.raises(kv.InvalidTransferError, match="staging_bytes"):
+        off.store(gpu_blocks=[0], cpu_chunks=[0], path="staged")
+    assert off._resources()["inflight"] == 0
+    assert off.store(gpu_blocks=list(range(64)), cpu_chunks=list(range(64))).wait(30).success
+    np.testing.assert_array_equal(off.cpu_tensors[2], _np(gpu[2]))
+    off.close()
+
+
 def test_unstageable_plans_are_refused_before_anything_is_enqueued() -> None:
     """A row larger than one staging buffer: explicit 'staged' raises, 'auto' falls back."""
     page, blocks = 1 << 20, 4

@@ -133,6 +133,27 @@ def test_a_host_copy_too_large_to_map_raises_invalid_transfer_error_not_os_error
     assert isinstance(info.value.__cause__, OSError)
 
 
+@pytest.mark.parametrize("kw", [{"num_cpu_chunks": 2**62}, {"blocks_per_chunk": 2**62},
+                                {"num_cpu_chunks": None, "cpu_bytes": 2**70}])
+def test_a_host_copy_beyond_any_address_space_is_an_invalid_transfer_error(
+        kw: dict[str, Any]) -> None:
+    """Sizes past what a C size can hold fail like any mapping too large to have."""
+    with pytest.raises(kv.InvalidTransferError, match="cannot allocate"):
+        _offloader(**kw)
+
+
+@pytest.mark.parametrize("staging", [2**50, 2**70])
+def test_staging_too_large_to_allocate_refuses_staged_calls_only(staging: int) -> None:
+    """The staging is allocated at the staged path's first use: a call that asks for it
+    gets an InvalidTransferError with nothing enqueued, and "auto" copies without it."""
+    layout = kv.KVCacheLayout.from_tensors([np.zeros((8, 256), np.uint8) for _ in range(2)])
+    with kv.Offloader(layout, 8, backend="host", staging_bytes=staging) as off:
+        with pytest.raises(kv.InvalidTransferError, match="staging_bytes"):
+            off.store(gpu_blocks=[1], cpu_chunks=[0], path="staged")
+        assert off._resources()["inflight"] == 0
+        assert off.store(gpu_blocks=list(range(8)), cpu_chunks=list(range(8))).wait(5).success
+
+
 @pytest.mark.parametrize(("tensors", "page", "budget"), [(3, 40, 1200), (8, 4, 1024)])
 def test_cpu_bytes_counts_the_rows_alignment(tensors: int, page: int, budget: int) -> None:
     """Each tensor's part of a host row starts on a 16-byte boundary: pages that are not
