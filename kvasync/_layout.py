@@ -17,12 +17,26 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from ._arrays import ArrayInfo, array_info
 from ._errors import InvalidTransferError
 from ._memory import MemoryGuard, overlapping_pair
 from ._vllm_layouts import blocks_first, check_list, vllm_block_views
 
 __all__ = ["CopyRun", "KVCacheLayout", "KVRef", "KVTensor", "PageMapping"]
+
+
+def _ints(obj: object, *names: str) -> None:
+    """Byte counts and indices are ints: a NumPy integer is taken (stored as an int), a bool,
+    float or string refused (``KVRef(0, 32.5)`` would have copied 32 B per block)."""
+    for name in names:
+        v = getattr(obj, name)
+        if v is None and name == "page_size_bytes":  # the default: the rest of the row
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+            raise InvalidTransferError(f"{type(obj).__name__}.{name} must be an int, got {v!r}")
+        object.__setattr__(obj, name, int(v))
 
 
 @dataclass(frozen=True)
@@ -41,6 +55,8 @@ class CopyRun:
     canonical_stride: int = 0
 
     def __post_init__(self) -> None:
+        _ints(self, "local_offset", "canonical_offset", "fragment_size", "num_fragments",
+              "local_stride", "canonical_stride")
         for name in ("local_offset", "canonical_offset", "local_stride", "canonical_stride"):
             if int(getattr(self, name)) < 0:
                 raise InvalidTransferError(f"CopyRun.{name} must be >= 0")
@@ -78,10 +94,12 @@ class PageMapping:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "runs", tuple(self.runs))
-        if self.num_writers < 1 or not 0 <= self.writer_index < self.num_writers:
+        _ints(self, "canonical_page_size_bytes", "local_page_size_bytes", "num_writers",
+              "writer_index")
+        if not 1 <= self.num_writers < 2**32 or not 0 <= self.writer_index < self.num_writers:
             raise InvalidTransferError(
-                f"PageMapping needs num_writers >= 1 and 0 <= writer_index < num_writers, "
-                f"got {self.num_writers}, {self.writer_index}"
+                "PageMapping needs 1 <= num_writers < 2**32 and 0 <= writer_index < "
+                f"num_writers, got {self.num_writers}, {self.writer_index}"
             )
         if self.canonical_page_size_bytes <= 0 or self.local_page_size_bytes <= 0:
             raise InvalidTransferError("PageMapping page sizes must be > 0")
@@ -166,7 +184,8 @@ class KVTensor:
                 f"KVTensor: {info.describe()} is read-only memory (e.g. np.frombuffer of a "
                 "bytes object); loads write into KV tensors, so they must be writable"
             )
-        page = info.row_bytes if self.page_size_bytes is None else int(self.page_size_bytes)
+        _ints(self, "page_size_bytes")
+        page = info.row_bytes if self.page_size_bytes is None else self.page_size_bytes
         if page <= 0:
             raise InvalidTransferError("KVTensor: page_size_bytes must be > 0")
         limit = max(info.row_stride, info.row_bytes) if info.shape[0] > 1 else info.row_bytes
@@ -207,6 +226,12 @@ class KVRef:
     page_size_bytes: int | None = None
     mapping: PageMapping | None = None
     offset_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        _ints(self, "tensor_idx", "page_size_bytes", "offset_bytes")
+        if self.mapping is not None and not isinstance(self.mapping, PageMapping):
+            raise InvalidTransferError(
+                f"KVRef.mapping must be a PageMapping or None, got {self.mapping!r}")
 
     def __repr__(self) -> str:
         out = f"KVRef({self.tensor_idx}, page_size_bytes={self.page_size_bytes}"

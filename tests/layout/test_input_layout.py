@@ -3,6 +3,8 @@ for every object a user prints."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -81,6 +83,39 @@ def test_a_ref_on_the_v_half_only_copies_only_those_bytes() -> None:
 def test_overlapping_or_out_of_row_refs_are_refused(refs: list[kv.KVRef], match: str) -> None:
     with pytest.raises(kv.InvalidTransferError, match=match):
         kv.KVCacheLayout([_kv_rows()], [refs])
+
+
+@pytest.mark.parametrize(("make", "match"), [
+    (lambda: kv.KVRef(0, 32.5), "KVRef.page_size_bytes must be an int, got 32.5"),
+    (lambda: kv.KVRef(True), "KVRef.tensor_idx must be an int"),
+    (lambda: kv.KVRef("0"), "KVRef.tensor_idx must be an int"),
+    (lambda: kv.KVRef(0, offset_bytes=1.0), "KVRef.offset_bytes must be an int"),
+    (lambda: kv.KVRef(0, mapping="identity"), "KVRef.mapping must be a PageMapping"),
+    (lambda: kv.CopyRun(0, 0, 32.5), "CopyRun.fragment_size must be an int"),
+    (lambda: kv.CopyRun(0, 0, 8, num_fragments=2.0), "CopyRun.num_fragments must be an int"),
+    (lambda: kv.PageMapping(64, 64, (kv.CopyRun(0, 0, 64),), 2, 0.5),
+     "PageMapping.writer_index must be an int"),
+    (lambda: kv.PageMapping(64, 64, (kv.CopyRun(0, 0, 64),), 2**64, 0),
+     r"num_writers < 2\*\*32"),
+    (lambda: kv.KVTensor(np.zeros((4, 64), np.uint8), page_size_bytes=63.9),
+     "KVTensor.page_size_bytes must be an int"),
+    (lambda: kv.KVTensor(np.zeros((4, 64), np.uint8), page_size_bytes="64"),
+     "KVTensor.page_size_bytes must be an int"),
+])
+def test_byte_counts_and_indices_must_be_ints(make: Any, match: str) -> None:
+    """A float, string or bool where a byte count or index goes is refused where it is given
+    (32.5 B per block used to copy 32; writer 0.5 of 2 wrote every other chunk)."""
+    with pytest.raises(kv.InvalidTransferError, match=match):
+        make()
+
+
+def test_numpy_integers_are_taken_as_ints() -> None:
+    ref = kv.KVRef(np.int64(0), np.uint32(64), offset_bytes=np.int16(64))
+    run = kv.CopyRun(np.int64(0), np.int64(0), np.int64(64))
+    m = kv.PageMapping(np.int64(64), np.int64(64), (run,), np.int8(2), np.int8(1))
+    assert (ref.tensor_idx, ref.page_size_bytes, ref.offset_bytes) == (0, 64, 64)
+    assert type(ref.page_size_bytes) is int and type(m.writer_index) is int
+    assert m.is_writer(3) and not m.is_writer(2)
 
 
 def test_refs_of_different_groups_may_share_a_tensor() -> None:
