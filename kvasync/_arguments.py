@@ -148,19 +148,22 @@ def check_staging_bytes(staging_bytes: int | None) -> int | None:
 def layer_spec(layers: Sequence[Sequence[int]] | None, n: int) -> list[list[int]]:
     """The layers of a layer-wise load: tensor indices, every one of the `n` exactly once
     (default: one layer per tensor); InvalidTransferError otherwise."""
-    spec: list[list[int | None]]
+    if layers is None:
+        return [[i] for i in range(n)]
+
+    def index(i: object) -> int | None:  # NumPy integers too (a layer may be an array)
+        ok = isinstance(i, (int, np.integer)) and not isinstance(i, (bool, np.bool_))
+        return int(cast(int, i)) if ok else None
+
     try:
-        spec = [[i] for i in range(n)] if layers is None else [
-            [int(i) for i in x] if all(type(i) is int for i in x) else [None]
-            for x in layers
-        ]
+        spec = [[index(i) for i in x] for x in layers]
     except TypeError:
         spec = [[None]]
     flat = sorted((i for layer in spec for i in layer), key=lambda v: (v is None, v or 0))
     if flat != list(range(n)) or any(not layer for layer in spec):
         raise InvalidTransferError(
-            f"layers must partition the {n} tensor indices into non-empty groups, "
-            f"got {spec}"
+            f"layers must partition the {n} tensor indices into non-empty groups of ints, "
+            f"got {layers!r}"
         )
     return cast("list[list[int]]", spec)
 

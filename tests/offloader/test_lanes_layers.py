@@ -64,10 +64,15 @@ async def test_layerwise_load_signals_each_layer(
 def test_layerwise_rejects_bad_layer_specs() -> None:
     gpu = [np.zeros((4, 8), np.uint8) for _ in range(3)]
     off = kv.Offloader(kv.KVCacheLayout.from_tensors(gpu), 4, backend="host")
-    for bad in ([[0, 1]], [[0, 1], [1, 2]], [[0], [], [1, 2]], [[0, 1, 2, 3]]):
+    for bad in ([[0, 1]], [[0, 1], [1, 2]], [[0], [], [1, 2]], [[0, 1, 2, 3]],
+                [[0], [1.0, 2]], [[True], [1, 2]], [["0"], [1, 2]], [[0], 1]):
         with pytest.raises(kv.InvalidTransferError, match="partition"):
             off.load_layerwise(cpu_chunks=[0], gpu_blocks=[0], layers=bad)
     assert off.load_layerwise(cpu_chunks=[0], gpu_blocks=[1]).wait(5).bytes == 3 * 8
+    # NumPy integers and arrays are indices as ints are (a spec read from a config)
+    t = off.load_layerwise(cpu_chunks=[0], gpu_blocks=[2],
+                           layers=[np.array([2]), [np.int64(0), np.uint8(1)]])
+    assert t.wait(5).bytes == 3 * 8 and [x.wait(5).bytes for x in t.layers] == [8, 16]
     off.close()
 
 
