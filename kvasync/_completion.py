@@ -141,17 +141,31 @@ class _LoopResolver:
         return {t._poller for t in self.waiting if t._poller is not None}
 
     async def _run(self) -> None:
+        cancelled = False
         try:
             while True:
-                if not self._ready:
-                    await self._sleep()
+                try:
+                    if not self._ready:
+                        await self._sleep()
+                except asyncio.CancelledError:
+                    # an app or asyncio.run's shutdown cancelling every task: a task still
+                    # awaiting a transfer here (a cleanup that waits for its copy) would
+                    # wait forever, so this kvasync task goes on until none does
+                    if not self._awaited():
+                        raise
+                    cancelled = True
+                    _uncancel(self.task)
                 self._event.clear()
                 self._drain()
-                if self.stopping and not self.waiting:
+                if (self.stopping and not self.waiting) or (cancelled and not self._awaited()):
                     return
         finally:
             self.dead = True
             self.engine._forget(self)
+
+    def _awaited(self) -> bool:
+        """Whether a task still awaits a transfer through this resolver."""
+        return any(not f.done() for futs in self.waiting.values() for f in futs)
 
     @staticmethod
     def _poll_all(queues: set[Poller]) -> None:
@@ -219,6 +233,13 @@ class _LoopResolver:
                     fut.set_result(transfer.result())
                 except BaseException as exc:
                     fut.set_exception(exc)
+
+
+def _uncancel(task: asyncio.Task[None]) -> None:
+    """Undo a cancellation the task went on from (Python 3.11+; before, nothing counts it)."""
+    uncancel = getattr(task, "uncancel", None)
+    if uncancel is not None:
+        uncancel()
 
 
 def _end_nap(fut: asyncio.Future[None]) -> None:

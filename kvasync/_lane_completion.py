@@ -59,6 +59,33 @@ class InFlight:
     finished: bool = False
     #: the concrete copy path it ran (its completion teaches that path's rate)
     path: str = ""
+    #: its completion was counted in the stats / it left the in-flight count (`_settle`)
+    recorded: bool = False
+    left: bool = False
+
+
+def _learn(rates: dict[str, float], path: str, rate: float) -> None:
+    """A path's rate from one more transfer's: faster samples count at once, slower ones
+    half (a slow first transfer, tables and staging, left the next predicted late, so their
+    waiters slept past the end: a thread wake, 0.2-0.4 ms on the H200 host)."""
+    old = rates.get(path)
+    rates[path] = rate if old is None or rate > old else 0.5 * old + 0.5 * rate
+
+
+def _failure(job_id: int, error: BaseException | None, behind: BaseException | None
+             ) -> TransferFailedError:
+    """What a transfer fails with: the lane's earlier failure `behind` if any (whatever its
+    own status, it ran behind it), else its own `error` as a TransferFailedError of the job."""
+    cause = behind if behind is not None else error
+    if behind is None and isinstance(error, TransferFailedError):
+        if error.job_id is None:
+            error.job_id = job_id
+        return error
+    what = (f"queued behind a failed transfer ({behind})" if behind is not None
+            else f"{type(error).__name__}: {error}")
+    failed = TransferFailedError(f"job {job_id}: {what}", job_id)
+    failed.__cause__ = cause
+    return failed
 
 
 class LaneCompletion:
@@ -196,7 +223,11 @@ class LaneCompletion:
             while self._fifo and self._fifo[0].end.query():
                 rec = self._fifo.popleft()
                 rec.finished = True
-                idle = self._finish(rec)
+                try:
+                    idle = self._finish(rec)
+                except BaseException:  # a Ctrl-C landed inside: complete it all the same
+                    self._settle(rec)
+                    raise
                 done += 1
         if done:
             if idle and self.closed and self.on_idle is not None:
@@ -209,53 +240,55 @@ class LaneCompletion:
         """Complete `rec`'s transfer (callbacks included); True if the queue is now idle."""
         error = rec.submit_error or rec.end.error()
         with self._lock:
-            if self.failure is not None:  # whatever its own status, it ran behind a failure
-                behind = TransferFailedError(
-                    f"job {rec.transfer.job_id}: queued behind a failed transfer "
-                    f"({self.failure})",
-                    rec.transfer.job_id,
-                )
-                behind.__cause__ = self.failure
-                error = behind
-            elif error is not None:
+            behind = self.failure
+            if behind is None and error is not None:
                 self.failure = error
         result = None
-        if error is None:
+        if behind is not None or error is not None:
+            error = _failure(rec.transfer.job_id, error, behind)
+        else:
             seconds = rec.start.elapsed_seconds(rec.end)
             result = TransferResult(rec.transfer.job_id, True, rec.plan.nbytes, seconds)
             if rec.plan.nbytes >= 1 << 20 and seconds > 0:  # learn the link's speed
                 rate = rec.plan.nbytes / seconds
                 self.bandwidth = 0.8 * self.bandwidth + 0.2 * rate
-                # faster samples count at once, slower ones half: a slow first transfer
-                # (tables, staging) left the next predicted late, so their waiters slept
-                # past the end (a thread wake, 0.2-0.4 ms on the H200 host)
-                old = self.path_rate.get(rec.path)
-                self.path_rate[rec.path] = (rate if old is None or rate > old
-                                            else 0.5 * old + 0.5 * rate)
-        elif not isinstance(error, TransferFailedError):
-            err = TransferFailedError(
-                f"job {rec.transfer.job_id}: {type(error).__name__}: {error}",
-                rec.transfer.job_id,
-            )
-            err.__cause__ = error
-            error = err
-        elif error.job_id is None:
-            error.job_id = rec.transfer.job_id
+                _learn(self.path_rate, rec.path, rate)
         with self._lock:
             self._recycle(rec)
         self.stats.finished(result, error)
-        enter_completion()
+        rec.recorded = True
         try:
+            enter_completion()
             rec.transfer._complete(result, error)
         finally:
             exit_completion()
-            with self._lock:
-                self._inflight -= 1
-                idle = self._inflight == 0
-                if idle:
-                    self._tail_eta = 0.0
-                    self._idle.notify_all()
+            idle = self._leave(rec)
         return idle
+
+    def _leave(self, rec: InFlight) -> bool:
+        """`rec` leaves the in-flight count (once); True if the queue is now idle."""
+        with self._lock:
+            if rec.left:
+                return False
+            rec.left, self._inflight = True, self._inflight - 1
+            idle = self._inflight == 0
+            if idle:
+                self._tail_eta = 0.0
+                self._idle.notify_all()
+        return idle
+
+    def _settle(self, rec: InFlight) -> None:
+        """What `_finish` left undone when an exception from outside (a Ctrl-C on the thread
+        that polled) cut it short, each once: else waiters and close() wait forever."""
+        error = rec.submit_error or rec.end.error() or self.failure
+        result = None if error is not None else TransferResult(
+            rec.transfer.job_id, True, rec.plan.nbytes, 0.0)
+        if not rec.recorded:
+            rec.recorded = True
+            self.stats.finished(result, error)
+        rec.transfer._complete(result, error)  # nothing if it completed already
+        if self._leave(rec) and self.closed and self.on_idle is not None:
+            self.on_idle()
 
     def _recycle(self, rec: InFlight) -> None:
         if self.failure is not None:

@@ -224,7 +224,7 @@ class Transfer(FutureMethods):
         loop = asyncio._get_running_loop()
         if loop is not None:
             if not self._engine.watch(self, (fn, loop, context)):
-                loop.call_soon(_run_callback, fn, self, context=context)
+                loop.call_soon(_run_loop_callback, fn, self, context=context)
             return
         with self._lock:
             if not self.done():
@@ -251,7 +251,7 @@ class Transfer(FutureMethods):
             if mine:
                 self._loop_callbacks = [c for c in self._loop_callbacks if c[1] is not loop]
         for fn, ctx in mine:
-            loop.call_soon(_run_callback, fn, self, context=ctx)
+            loop.call_soon(_run_loop_callback, fn, self, context=ctx)
 
     def __await__(self) -> Generator[Any, None, TransferResult]:
         q = self._poller
@@ -347,6 +347,16 @@ def _run_callback(fn: Callable[[Transfer], object], transfer: Transfer) -> None:
                   type(exc).__name__, exc_info=True)
         if not on_library_thread():
             stash_base_exception(exc)
+
+
+def _run_loop_callback(fn: Callable[[Transfer], object], transfer: Transfer) -> None:
+    """Run a done-callback scheduled on its event loop: an Exception is logged, a
+    BaseException propagates there at once, as from any callback of that loop (stashed,
+    it would surface later from an unrelated call on the loop's thread)."""
+    try:
+        fn(transfer)
+    except Exception:
+        log.exception("kvasync: done-callback %r of %r raised", fn, transfer)
 
 
 def transfer_progress(t: Transfer) -> Progress:

@@ -1,0 +1,163 @@
+"""Shutdown that cancels every task, and exceptions from outside kvasync (a Ctrl-C) landing
+inside its completion: no awaiter, waiter or close() is left waiting forever."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import textwrap
+import threading
+
+import numpy as np
+import pytest
+from support import Gate
+
+import kvasync as kv
+from kvasync._backends._host import HostBackend
+from kvasync._lane_completion import LaneCompletion
+
+
+def make() -> kv.Offloader:
+    gpu = [np.random.default_rng(i).integers(0, 256, (64, 1024), dtype=np.uint8)
+           for i in range(2)]
+    return kv.Offloader(kv.KVCacheLayout.from_tensors(gpu), 64, backend="host")
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_an_await_survives_a_shutdown_that_cancels_every_task(gate: Gate) -> None:
+    """A handler cancelled mid-store awaits the store again before freeing its blocks; the
+    same shutdown cancels kvasync's resolver task, which goes on until that await ends."""
+    off = make()
+    t = off.store(gpu_blocks=[1], cpu_chunks=[1], stream=gate.stream)
+    cleaned: list[bool] = []
+
+    async def handler() -> None:
+        try:
+            await t
+        except asyncio.CancelledError:
+            cleaned.append((await t).success)  # the copy still reads the blocks
+            raise
+
+    h = asyncio.ensure_future(handler())
+    await asyncio.sleep(0.05)
+    me = asyncio.current_task()
+    tasks = [x for x in asyncio.all_tasks() if x is not me]
+    tasks.sort(key=lambda x: x.get_name() == "kvasync-completion")  # the handler first
+    assert any(x.get_name() == "kvasync-completion" for x in tasks)
+    for x in tasks:
+        x.cancel()
+    threading.Timer(0.2, gate.open).start()
+    await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 10)
+    assert cleaned == [True] and h.cancelled()
+    assert off._engine.num_tasks == 0  # the resolver ended once nothing awaited
+    await off.aclose()
+
+
+@pytest.mark.timeout(60)
+def test_asyncio_run_returns_when_its_shutdown_cancels_a_pending_await() -> None:
+    """main() returns while tasks await stores that land later; asyncio.run cancels every
+    task, their cleanup awaits the stores again, and asyncio.run returns."""
+    code = textwrap.dedent("""
+        import asyncio, threading, numpy as np, kvasync as kv
+        from support import Gate
+        gpu = [np.zeros((8, 64), np.uint8) for _ in range(2)]
+        off = kv.Offloader(kv.KVCacheLayout.from_tensors(gpu), 8, backend="host")
+        gate = Gate()
+        threading.Timer(0.3, gate.open).start()
+        async def handler(i):
+            t = off.store(gpu_blocks=[i], cpu_chunks=[i], stream=gate.stream)
+            try:
+                await t
+            except asyncio.CancelledError:
+                await t
+                raise
+        async def main():
+            for i in range(3):
+                asyncio.ensure_future(handler(i))
+            await asyncio.sleep(0.05)
+        asyncio.run(main())
+        off.close()
+        print("returned")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=30, cwd="tests")
+    assert out.returncode == 0 and "returned" in out.stdout, out.stderr
+
+
+@pytest.mark.asyncio
+async def test_a_base_exception_from_a_loop_callback_is_raised_there_not_later() -> None:
+    """A done-callback added inside a loop runs on it; its SystemExit leaves the loop's
+    callback as from any asyncio callback, and nothing is kept to surface later from an
+    unrelated call on that thread."""
+    off = make()
+    seen: list[str] = []
+    loop = asyncio.get_running_loop()
+    handler = loop.get_exception_handler()
+    t = off.store(gpu_blocks=[1], cpu_chunks=[1])
+
+    def bad(tr: kv.Transfer) -> None:
+        seen.append("ran")
+        raise SystemExit("from a callback")
+
+    real_run = asyncio.events.Handle._run
+
+    def run(h: asyncio.Handle) -> None:  # what escapes a loop callback, as the loop sees it
+        try:
+            real_run(h)
+        except SystemExit as exc:
+            seen.append(f"escaped: {exc}")
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(asyncio.events.Handle, "_run", run)
+        t.add_done_callback(bad)
+        await t
+        for _ in range(3):
+            await asyncio.sleep(0)
+    assert seen == ["ran", "escaped: from a callback"]
+    assert loop.get_exception_handler() is handler
+    later = off.load(cpu_chunks=[1], gpu_blocks=[2])
+    later.wait(5)
+    later.add_done_callback(lambda tr: None)  # used to raise the kept SystemExit
+    await off.aclose()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("poller", ["wait", "await"])
+def test_a_ctrl_c_inside_a_polled_completion_still_completes_the_transfer(
+        poller: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A KeyboardInterrupt landing while a waiter completes a transfer by polling (the
+    CUDA default) used to leave it popped but never completed: its waiters and close()
+    waited forever. The transfer completes and the interrupt still reaches the caller."""
+    monkeypatch.setattr(HostBackend, "poll_from_await", True)  # waiters poll, as on CUDA
+    off = make()
+    real = LaneCompletion._finish
+    fired: list[bool] = []
+
+    def interrupted(self: LaneCompletion, rec: object) -> bool:
+        if not fired and threading.current_thread() is threading.main_thread():
+            fired.append(True)
+            raise KeyboardInterrupt("Ctrl-C")
+        return real(self, rec)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(LaneCompletion, "_finish", interrupted)
+    for _ in range(200):
+        t = off.store(gpu_blocks=list(range(64)), cpu_chunks=list(range(64)))
+        try:
+            if poller == "wait":
+                t.wait(10)
+            else:
+                asyncio.run(_await(t))
+        except KeyboardInterrupt:
+            assert fired  # ours, through the poll that completed the transfer
+        if fired:
+            break
+    assert fired, "the main thread never completed a transfer itself"
+    assert t.wait(5).success and t.done()
+    assert all(q.inflight == 0 for q in off._queues.values())
+    off.close(timeout=5)
+
+
+async def _await(t: kv.Transfer) -> None:
+    await t
