@@ -28,6 +28,7 @@ bookkeeping is done.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -137,6 +138,13 @@ class Lifecycle:
         self.begin()
         try:
             await drain()
+            # a transfer's awaiters resume before its thread-side done-callbacks return, and
+            # it is in flight until they do: wait for those without blocking the loop (one
+            # may need it, e.g. run_coroutine_threadsafe(...).result())
+            nap = 0.0
+            while not self.idle():
+                await asyncio.sleep(nap)
+                nap = min(2 * nap or 0.0005, 0.01)
         except BaseException:
             self.try_release()
             raise

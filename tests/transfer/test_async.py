@@ -234,6 +234,33 @@ async def test_done_callback_exception_is_logged_and_contained(
 
 
 @pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_aclose_waits_for_thread_side_callbacks_without_blocking_the_loop(
+        gate: Gate) -> None:
+    """A done-callback added off the loop runs on the completion thread after the awaiters
+    resume; aclose() waits for it without blocking the loop, which that callback may need
+    (it used to call the blocking close() at once: a deadlock here)."""
+    gpu, off = make()
+    loop = asyncio.get_running_loop()
+    noted: list[int] = []
+
+    async def note() -> int:
+        return 1
+
+    def add() -> None:
+        t = off.store(gpu_blocks=[1], cpu_chunks=[1], stream=gate.stream)
+        t.add_done_callback(lambda _t: noted.append(
+            asyncio.run_coroutine_threadsafe(note(), loop).result(3)))  # TimeoutError: blocked
+
+    worker = threading.Thread(target=add)
+    worker.start()
+    worker.join()
+    loop.call_later(0.05, gate.open)
+    await asyncio.wait_for(off.aclose(), 20)
+    assert noted == [1] and off._resources()["inflight"] == 0
+
+
+@pytest.mark.asyncio
 async def test_aclose_drains_in_order_and_releases_everything() -> None:
     gpu, off = make()
     ts = [off.store(gpu_blocks=[i], cpu_chunks=[i]) for i in range(50)]
