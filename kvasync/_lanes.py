@@ -36,6 +36,7 @@ class Lanes:
             lane: DirectionQueue(backend, lane[0], engine, max_streams, lane[1])
             for lane in order
         }
+        self.engine = engine  # the transfers' completion engine (a refused layer's too)
         self.job_ids = itertools.count()
         self.submit_lock = threading.Lock()
         self.both_ways_at = -1e9  # perf_counter of the last submission that saw both busy

@@ -257,3 +257,39 @@ def test_a_refused_layerwise_load_uses_no_job_id() -> None:
             with pytest.raises(kv.InvalidTransferError):
                 off.load_layerwise(cpu_chunks=[0], gpu_blocks=[1], **bad)  # type: ignore[arg-type]
         assert off.store(gpu_blocks=[0], cpu_chunks=[0]).wait(10).job_id == 1
+
+
+def test_a_close_between_layers_fails_the_rest_and_returns_the_layers_in_flight(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """close() on another thread landing between two layers of a layer-wise load: the
+    layers already enqueued write into the GPU blocks, so the call returns them (the caller
+    can wait before reusing the blocks) and the later layers fail as closed; it used to
+    raise OffloaderClosedError with no handle to what was copying."""
+    from kvasync._submitter import Submitter
+
+    gpu = [np.zeros((8, 64), np.uint8) for _ in range(4)]
+    off = kv.Offloader(kv.KVCacheLayout.from_tensors(gpu), 8, backend="host")
+    for v in off.cpu_tensors:
+        v[:] = 7
+    real = Submitter.enqueue
+    calls: list[int] = []
+
+    def enqueue(self: Submitter, *args: object, **kw: object) -> kv.Transfer:
+        if len(calls) == 2:
+            off._life.begin()  # what close() does first, from another thread
+        calls.append(1)
+        return real(self, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Submitter, "enqueue", enqueue)
+    lt = off.load_layerwise(cpu_chunks=[0], gpu_blocks=[3])
+    assert [x.wait(10).success for x in lt.layers[:2]] == [True, True]
+    for x in lt.layers[2:]:
+        with pytest.raises(kv.TransferFailedError, match="closed") as info:
+            x.wait(10)
+        assert isinstance(info.value.__cause__, kv.OffloaderClosedError)
+    with pytest.raises(kv.TransferFailedError):
+        lt.wait(10)
+    assert [int(g[3, 0]) for g in gpu] == [7, 7, 0, 0]
+    off.close(timeout=10)
+    with pytest.raises(kv.OffloaderClosedError):  # closed before any layer: refused whole
+        off.load_layerwise(cpu_chunks=[0], gpu_blocks=[3])
