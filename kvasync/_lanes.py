@@ -16,9 +16,10 @@ from typing import Any
 
 from ._backends import Backend, Direction, Stream
 from ._completion import CompletionEngine
-from ._errors import TransferFailedError
+from ._errors import OffloaderBrokenError, TransferFailedError
 from ._program import TransferPlan
 from ._scheduler import DirectionQueue
+from ._threadstate import fork_generation, forked_since
 from ._transfer import Transfer
 
 __all__ = ["Lane", "Lanes", "drain_queues", "drain_queues_sync"]
@@ -39,6 +40,7 @@ class Lanes:
         self.engine = engine  # the transfers' completion engine (a refused layer's too)
         self.job_ids = itertools.count()
         self.submit_lock = threading.Lock()
+        self.generation = fork_generation()  # a forked child cannot use these lanes
         self.both_ways_at = -1e9  # perf_counter of the last submission that saw both busy
 
     def submit(
@@ -54,6 +56,7 @@ class Lanes:
         """Submit `plan` in its lane, drawing a job id if none was given."""
         # only the job id is drawn under the offloader-wide lock; ordering within a lane is
         # the lane's own lock, so a big store never holds up a load's submission
+        check_process(self.generation)
         if job_id is None:
             with self.submit_lock:
                 jid = next(self.job_ids)
@@ -79,10 +82,12 @@ class Lanes:
 
     async def drain(self) -> None:
         """Wait until each lane's last transfer finished; failures are not raised here."""
+        check_process(self.generation)
         await drain_queues(self.queues.values())
 
     def drain_sync(self, timeout: float | None = None) -> bool:
         """Block until every lane is idle; False on timeout."""
+        check_process(self.generation)
         return drain_queues_sync(self.queues.values(), timeout)
 
 
@@ -100,3 +105,13 @@ async def drain_queues(queues: Iterable[DirectionQueue]) -> None:
 def drain_queues_sync(queues: Iterable[DirectionQueue], timeout: float | None = None) -> bool:
     """Block until every queue is idle; False on timeout (each queue waits up to it)."""
     return all(q.drain(timeout) for q in queues)
+
+
+def check_process(generation: int) -> None:
+    """OffloaderBrokenError in a forked child of the process that built the lanes: their
+    transfers would wait forever for threads that stayed in the parent."""
+    if forked_since(generation):
+        raise OffloaderBrokenError(
+            "this Offloader was built before a fork; its threads, streams and device context "
+            "stayed in the parent process: build a new Offloader in this process"
+        )

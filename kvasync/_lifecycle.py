@@ -36,7 +36,7 @@ import warnings
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from ._threadstate import completing_here
+from ._threadstate import completing_here, fork_generation, forked_since
 
 if TYPE_CHECKING:
     from ._backends import Backend, HostMemory
@@ -85,12 +85,22 @@ class Lifecycle:
         self._closers = 0  # blocking close() calls waiting for the drain
         for q in queues:
             q.on_idle = self.try_release
+        self.generation = fork_generation()
 
     # -- state --------------------------------------------------------------------------------
     def idle(self) -> bool:
         """Nothing in flight in any lane (read without the lanes' locks: once closed, a
         count only goes down)."""
         return all(q.inflight == 0 for q in self.queues)
+
+    def _forked(self) -> bool:
+        """In a forked child: only refuse new work. The threads to drain and join stayed in
+        the parent, and so did whoever held a lock at the fork; the memory is the parent's
+        (the child's copy goes with the child)."""
+        if not forked_since(self.generation):
+            return False
+        self.begin(locked=False)
+        return True
 
     def begin(self, locked: bool = True) -> None:
         """Refuse new work from here on (idempotent). `locked=False` from a finalizer,
@@ -102,6 +112,8 @@ class Lifecycle:
     # -- closing ------------------------------------------------------------------------------
     def close(self, timeout: float | None = None) -> None:
         """Drain, then release; see `Offloader.close` for the contract."""
+        if self._forked():
+            return
         self.begin()
         if self.released.is_set():
             self._join_threads()
@@ -132,6 +144,8 @@ class Lifecycle:
 
     async def aclose(self, drain: Callable[[], Awaitable[None]]) -> None:
         """`drain()` then `close()`; see `Offloader.aclose` for the contract."""
+        if self._forked():
+            return
         if completing_here():
             self.close()
             return
@@ -224,6 +238,8 @@ class Lifecycle:
         so it waits for no copy and for no lock without a bound (that thread may hold it):
         with transfers in flight, the last one to complete releases; when idle, it stops
         the completion threads without joining them (idle stream threads are joined)."""
+        if self._forked():
+            return
         unclosed = not self.closed
         self.begin(locked=False)
         try:

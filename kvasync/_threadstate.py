@@ -9,6 +9,7 @@ read it, and it imports nothing of kvasync.
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any
 
@@ -16,6 +17,8 @@ __all__ = [
     "completing_here",
     "enter_completion",
     "exit_completion",
+    "fork_generation",
+    "forked_since",
     "mark_library_thread",
     "on_library_thread",
     "raise_stashed",
@@ -26,6 +29,30 @@ __all__ = [
 
 
 _local = threading.local()
+
+
+# -- process ------------------------------------------------------------------------------------
+#: bumped in the child of every fork: what an object built before the fork runs on (threads,
+#: locks other threads held, streams, the CUDA context) stayed in the parent
+_generation = [0]
+
+
+def _forked() -> None:
+    _generation[0] += 1
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forked)
+
+
+def fork_generation() -> int:
+    """The process's fork generation: record it when building what owns threads."""
+    return _generation[0]
+
+
+def forked_since(generation: int) -> bool:
+    """True in a forked child of the process that recorded `generation`."""
+    return generation != _generation[0]
 
 
 # -- thread context ---------------------------------------------------------------------------

@@ -161,3 +161,44 @@ def test_a_ctrl_c_inside_a_polled_completion_still_completes_the_transfer(
 
 async def _await(t: kv.Transfer) -> None:
     await t
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="no fork on this platform")
+def test_a_forked_child_gets_a_clear_error_and_can_build_its_own() -> None:
+    """An offloader inherited through fork() has no threads in the child: its calls raise
+    OffloaderBrokenError (they used to hang), close() and the child's exit do not wait for
+    the parent's threads, a new offloader built in the child works, and the parent's own
+    offloader is untouched."""
+    code = textwrap.dedent("""
+        import os, sys, numpy as np, kvasync as kv
+        def make():
+            gpu = [np.full((8, 64), 5, np.uint8) for _ in range(2)]
+            return kv.Offloader(kv.KVCacheLayout.from_tensors(gpu), 8, backend="host")
+        off = make()
+        off.store(gpu_blocks=[1], cpu_chunks=[1]).wait(10)
+        pid = os.fork()
+        if pid == 0:
+            for call in (lambda: off.store(gpu_blocks=[2], cpu_chunks=[2]),
+                         lambda: off.drain_sync(1)):
+                try:
+                    call()
+                    print("child: accepted")
+                except kv.OffloaderBrokenError as exc:
+                    print("child: refused", "before a fork" in str(exc))
+            off.close(timeout=5)
+            mine = make()
+            print("child: own", mine.store(gpu_blocks=[3], cpu_chunks=[3]).wait(10).success)
+            mine.close()
+            sys.stdout.flush()
+            sys.exit(0)  # atexit and finalizers run: nothing may wait for the parent
+        _, status = os.waitpid(pid, 0)
+        print("parent: child exit", os.waitstatus_to_exitcode(status))
+        print("parent: own", off.store(gpu_blocks=[4], cpu_chunks=[4]).wait(10).success)
+        off.close()
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert out.stdout.splitlines() == [
+        "child: refused True", "child: refused True", "child: own True",
+        "parent: child exit 0", "parent: own True"], (out.stdout, out.stderr)
