@@ -136,6 +136,15 @@ def check_sizes(
             raise InvalidTransferError(f"{name} must be an int >= {low}, got {value!r}")
 
 
+def check_timeout(timeout: float | None) -> None:
+    """A timeout is None or a number of seconds >= 0 (checked before anything is shut)."""
+    if timeout is not None and (isinstance(timeout, bool)
+                                or not isinstance(timeout, (int, float, np.integer,
+                                                            np.floating))
+                                or not timeout >= 0):
+        raise InvalidTransferError(f"timeout must be None or seconds >= 0, got {timeout!r}")
+
+
 def check_staging_bytes(staging_bytes: int | None) -> int | None:
     """`staging_bytes` as given (None: the backend's default), refused unless an int >= 2."""
     if staging_bytes is not None and (

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from ._arguments import ids_by_keyword, layer_spec
+from ._arguments import check_timeout, ids_by_keyword, layer_spec
 from ._backends import Backend, Direction, HostMemory
 from ._calibrate import AutoCalibration, calibrate_offloader
 from ._completion import CompletionEngine
@@ -248,6 +248,7 @@ class Offloader:
         - interrupted (Ctrl-C), it leaves the same state; the next `close()` finishes;
         - inside a done-callback it does not wait: the release follows the last transfer.
         """
+        check_timeout(timeout)
         self._submitter.closed = True
         self._life.close(timeout)
 

@@ -731,3 +731,15 @@ def test_process_exit_with_copies_queued_and_nothing_closed() -> None:
     """)
     assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
     assert proc.stdout.strip() == "exiting"
+
+
+@pytest.mark.parametrize("timeout", ["5", -1.0, float("nan"), True, [1]])
+def test_a_bad_close_timeout_is_refused_before_anything_is_shut(timeout: object) -> None:
+    gpu = [np.zeros((8, 64), np.uint8) for _ in range(2)]
+    off = kv.Offloader(kv.KVCacheLayout.from_tensors(gpu), 8, backend="host")
+    with pytest.raises(kv.InvalidTransferError, match="timeout must be"):
+        off.close(timeout=timeout)  # type: ignore[arg-type]
+    assert not off.closed
+    assert off.store(gpu_blocks=[1], cpu_chunks=[1]).wait(5).success
+    off.close(timeout=np.float64(5))
+    assert off.closed and off._resources()["inflight"] == 0
