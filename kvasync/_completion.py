@@ -283,6 +283,9 @@ class CompletionEngine:
         resolver = self._resolver(loop)
         fut: asyncio.Future[TransferResult] = loop.create_future()
         waiters = resolver.waiting.setdefault(transfer, [])
+        # drop the futures of cancelled awaits (wait_for(t, 0.01) in a retry loop would
+        # pile them up for as long as a slow transfer runs)
+        waiters[:] = [f for f in waiters if not f.done()]
         waiters.append(fut)
         if not transfer._attach(resolver):
             waiters.remove(fut)

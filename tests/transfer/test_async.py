@@ -403,3 +403,19 @@ async def test_a_callback_added_to_a_done_transfer_runs_after_earlier_pending_on
         assert order == [0, 1]
     finally:
         await off.aclose()
+
+
+@pytest.mark.asyncio
+async def test_timed_out_awaits_leave_no_futures_behind(gate: Gate) -> None:
+    """wait_for(t, tiny) in a retry loop on a transfer that takes long: each timed-out
+    await's future goes when the next one is made, not when the transfer completes."""
+    gpu, off = make()
+    t = off.store(gpu_blocks=[0], cpu_chunks=[0], stream=gate.stream)
+    for _ in range(200):
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(t, 0.001)
+    resolver = off._engine._resolvers[asyncio.get_running_loop()]
+    assert len(resolver.waiting.get(t, [])) <= 1
+    gate.open()
+    assert (await t).success
+    await off.aclose()
