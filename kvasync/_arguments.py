@@ -137,12 +137,14 @@ def check_sizes(
 
 
 def check_timeout(timeout: float | None) -> None:
-    """A timeout is None or a number of seconds >= 0 (checked before anything is shut)."""
+    """A timeout is None or a number of seconds (<= 0: do not wait), checked before anything
+    is shut."""
     if timeout is not None and (isinstance(timeout, bool)
                                 or not isinstance(timeout, (int, float, np.integer,
                                                             np.floating))
-                                or not timeout >= 0):
-        raise InvalidTransferError(f"timeout must be None or seconds >= 0, got {timeout!r}")
+                                or timeout != timeout):  # NaN
+        raise InvalidTransferError(f"timeout must be None or a number of seconds, got "
+                                   f"{timeout!r}")
 
 
 def check_staging_bytes(staging_bytes: int | None) -> int | None:
