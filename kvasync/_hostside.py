@@ -70,10 +70,12 @@ def build_host_side(
     elif host_region is not None:
         views, undo = _region_views(host_region, pages, canonical, num_cpu_chunks)
         try:
-            pinned = _pin_region(backend, host_region, views)
+            pinned = _pin_region(backend, host_region, views, memory)
             tables = _ref_tables(layout, backend, views, sub_bytes, blocks_per_chunk,
                                  canonical, False)
         except BaseException:  # refused after carving: the views go back to the region
+            for mem in memory:
+                mem.release()
             undo()
             raise
         _own(tables, memory, host_region, layout, host_tensors)
@@ -119,20 +121,35 @@ def _region_views(host_region: Any, pages: list[int], canonical: bool, num_cpu_c
     views = []
     for page in pages:
         view = make(page)
+        if not isinstance(view, np.ndarray) and hasattr(view, "numpy"):  # vLLM's: torch int8
+            view = view.detach().numpy()
+        view = np.asarray(view).view(np.uint8)
         rows(view.shape[0])
         views.append(view[:num_cpu_chunks])
     return views, lambda: None
 
 
-def _pin_region(backend: Backend, host_region: Any, views: list[np.ndarray]) -> bool:
+def _pin_region(backend: Backend, host_region: Any, views: list[np.ndarray],
+                memory: list[HostMemory]) -> bool:
     """Pin a shared region once (where the backend pins) and register its views; whether
-    the host copy is pinned (or needs no pinning)."""
+    the host copy is pinned (or needs no pinning). A region without ``pin`` that is not
+    pinned yet (vLLM's, which its worker pins) has the span of rows under the views pinned
+    here, in row-aligned chunks, and unpinned at close through `memory`."""
     pin = backend.pin_functions()
-    if pin is not None and not host_region.is_pinned:
-        host_region.pin(*pin)
+    if pin is not None and not getattr(host_region, "is_pinned", False):
+        if hasattr(host_region, "pin"):
+            host_region.pin(*pin)
+        else:
+            lo = min(int(v.ctypes.data) for v in views)
+            hi = max(int(v.ctypes.data) + (v.shape[0] - 1) * int(v.strides[0]) + v.shape[1]
+                     for v in views)
+            addrs = pin_chunks(lo, hi - lo, int(views[0].strides[0]), *pin)
+            if addrs is not None:
+                memory.append(HostMemory(lo, hi - lo, views[0], True,
+                                         partial(unpin_chunks, addrs, pin[1])))
     for v in views:
         backend.register_array(array_info(v))
-    return bool(host_region.is_pinned) or pin is None
+    return bool(getattr(host_region, "is_pinned", False)) or pin is None or bool(memory)
 
 
 def _ref_tables(layout: KVCacheLayout, backend: Backend, views: list[np.ndarray],

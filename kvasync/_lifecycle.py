@@ -205,7 +205,8 @@ class Lifecycle:
         for mem in self.host_mem:
             mem.release()
         region, self.region = self.region, None
-        close = getattr(region, "close", None)  # a duck-typed region may have none
+        # a duck-typed region may have none; vLLM's is closed by its cleanup()
+        close = getattr(region, "close", None) or getattr(region, "cleanup", None)
         if close is not None:
             try:
                 close()

@@ -305,3 +305,72 @@ def test_facade_shutdown_drains() -> None:
     worker.shutdown()
     for j in range(20):
         np.testing.assert_array_equal(cpu[31 - j], gpu[0][j])
+
+
+class VllmLikeRegion:
+    """The shape of vLLM's SharedOffloadRegion as its worker uses it: int8 torch views (or
+    NumPy, for a run without torch) carved from a cursor into this rank's slot of each row,
+    `is_pinned` (its worker pins it with a free function) and `cleanup()`; no `pin` and no
+    `close`. Rows of 4 KiB, two ranks of 2 KiB each."""
+
+    ROW, WORLD = 4096, 2
+
+    def __init__(self, raw: np.ndarray, rank: int, rows: int, as_torch: bool) -> None:
+        self._raw, self._rows, self._torch = raw, rows, as_torch
+        self.cursor = rank * (self.ROW // self.WORLD)
+        self.is_pinned = False
+        self.cleaned = 0
+
+    def create_next_worker_view(self, page: int) -> object:
+        view = np.lib.stride_tricks.as_strided(self._raw[self.cursor:], (self._rows, page),
+                                               (self.ROW, 1)).view(np.int8)
+        self.cursor += page
+        if self._torch:
+            import torch
+
+            return torch.from_numpy(view)
+        return view
+
+    def cleanup(self) -> None:
+        self.cleaned += 1
+
+
+@pytest.mark.parametrize("views", ["numpy", "torch"])
+def test_facade_takes_a_vllm_shaped_region(backend_case: tuple[str, str], mem: Mem,
+                                           views: str) -> None:
+    """vLLM's worker is built with mmap_region=its SharedOffloadRegion: int8 torch views,
+    pinned by the worker, cleaned up (not closed) at shutdown. Two TP ranks share the rows;
+    each stores into its slot and loads its own bytes back."""
+    if views == "torch":
+        pytest.importorskip("torch")
+    backend, path = backend_case
+    from kvasync._hostmem import alloc_mmap
+
+    rows = 8
+    _mm, raw, _ = alloc_mmap(rows * VllmLikeRegion.ROW)
+    workers = []
+    for rank in range(VllmLikeRegion.WORLD):
+        region = VllmLikeRegion(raw, rank, rows, views == "torch")
+        gpu = [mem.rand_u8((16, 512), seed=40 + 2 * rank + i) for i in range(2)]
+        w = CPUOffloadingWorker(gpu, 2, rows, region, backend=backend, copy_path=path)
+        if backend == "cuda":
+            assert w.offloader.host_pinned  # the span under its views, pinned here
+        workers.append((rank, region, gpu, w))
+    for rank, _, _, w in workers:
+        assert w.submit_store(1, GPULoadStoreSpec([5, 6]), CPULoadStoreSpec([3]))
+        w.wait([1])
+        assert [r.success for r in w.get_finished()] == [True]
+    rows_img = raw[: rows * VllmLikeRegion.ROW].reshape(rows, VllmLikeRegion.ROW)
+    for rank, _, gpu, _ in workers:
+        slot = rows_img[3, rank * 2048 : (rank + 1) * 2048].reshape(2, 2, 512)
+        for t in range(2):  # tensor t's part: blocks 5 and 6 side by side
+            np.testing.assert_array_equal(slot[t], mem.to_numpy(gpu[t])[[5, 6]])
+    for rank, _, gpu, w in workers:
+        before = mem.to_numpy(gpu[1])
+        assert w.submit_load(2, CPULoadStoreSpec([3]), GPULoadStoreSpec([0, 1]))
+        w.wait([2])
+        assert [r.success for r in w.get_finished()] == [True]
+        np.testing.assert_array_equal(mem.to_numpy(gpu[1])[[0, 1]], before[[5, 6]])
+    for _, region, _, w in workers:
+        w.shutdown()
+        assert region.cleaned == 1 and w.offloader._resources()["host_bytes"] == 0
