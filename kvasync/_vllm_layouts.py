@@ -69,7 +69,8 @@ def blocks_first(t: Any, i: int, block_dim: int | None = None) -> Any:
             raise InvalidTransferError(
                 f"{what} has shape {shape}: is dim 0 two blocks, or K and V as in vLLM's "
                 "FlashAttention cache (2, num_blocks, ...)? Use KVCacheLayout.from_vllm for "
-                "vLLM caches, or pass block_dim=0 if dim 0 really indexes 2 blocks"
+                "vLLM caches, or KVCacheLayout.from_tensors(..., block_dim=0) if dim 0 really "
+                "indexes 2 blocks"
             )
         return t
     dim = _block_dim_arg(block_dim, shape, what)

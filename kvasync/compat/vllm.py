@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -159,6 +159,12 @@ def _to_layout(kv_caches: Any, canonical: bool = False) -> KVCacheLayout:
             for g, refs in enumerate(kv_caches.group_data_refs)
         ]
         return KVCacheLayout(tensors, groups)
+    if isinstance(kv_caches, Mapping):  # its keys would be taken for tensors
+        raise InvalidTransferError(
+            "kv_caches is a mapping (layer name -> tensor?): pass vLLM's CanonicalKVCaches, "
+            "a KVCacheLayout (KVCacheLayout.from_vllm for vLLM's per-layer caches) or a "
+            "list of block-first tensors"
+        )
     return KVCacheLayout.from_tensors(list(kv_caches))
 
 

@@ -234,6 +234,22 @@ def test_a_fourth_positional_that_is_no_region_is_refused(fourth: object) -> Non
         CPUOffloadingWorker(tensors(), 1, 8, fourth)
 
 
+def test_a_mapping_of_layer_tensors_is_refused_with_what_to_pass() -> None:
+    caches = {"layer.0": tensors()[0], "layer.1": tensors()[1]}
+    with pytest.raises(kv.InvalidTransferError, match="kv_caches is a mapping"):
+        CPUOffloadingWorker(caches, 1, 8)
+    w = CPUOffloadingWorker(list(caches.values()), 1, 8)  # what the message offers
+    w.shutdown()
+
+
+def test_two_blocks_of_three_dims_name_the_call_that_takes_block_dim() -> None:
+    kv_like = [np.zeros((2, 4, 64), np.uint8)]
+    with pytest.raises(kv.InvalidTransferError, match=r"from_tensors\(\.\.\., block_dim=0\)"):
+        CPUOffloadingWorker(kv_like, 1, 8)
+    layout = kv.KVCacheLayout.from_tensors(kv_like, block_dim=0)
+    CPUOffloadingWorker(layout, 1, 8).shutdown()
+
+
 def test_num_cpu_blocks_alias_and_conflicts() -> None:
     w = CPUOffloadingWorker(tensors(), 1, num_cpu_blocks=8)
     assert w.offloader.num_cpu_chunks == 8
