@@ -80,7 +80,9 @@ class StagingPool:
     def __init__(self, device_id: int, keep_per_class: int = 8) -> None:
         self._device_id = device_id
         self._free: dict[int, list[tuple[Any, Any, np.ndarray]]] = {}
-        self._lock = threading.Lock()
+        # reentrant: `_Staging.__del__` gives back, and the cyclic collector may run it on a
+        # thread inside `give` or `take` (a failed enqueue's traceback holds a buffer)
+        self._lock = threading.RLock()
         self._keep = keep_per_class
         self.closed = False
 
