@@ -173,75 +173,99 @@ class StagedPath:
         keep = plan.keepalive
         keep.append(ring)
         with ring.lock:
-            nbuf = len(ring.ptrs)
-            first = ring.next
-            order = [(first + k) % nbuf for k in range(len(program.slabs))]
-            entries = {b: self.tables.entry(
-                staging_table(plan.table, program.rows, store, ring.ptrs[b],
-                              program.rows_per_slab),
-                stream, keep) for b in dict.fromkeys(order)}
-            jobs = [pack_job(slab.segments, entries[b].packed.pieces, None, entries[b].pieces)
-                    for b, slab in zip(order, program.slabs)]
-            offsets = [0]
-            for job in jobs:
-                offsets.append(offsets[-1] + len(job.words))
-            total = offsets[-1]
-            nfetch = -(-total * 8 // FETCH_BYTES) if store else 0  # `_fetch` descriptors
-            st = self.staging.take(total + 3 * nfetch)
-            keep.append(st)
-            for job, off in zip(jobs, offsets):
-                st.words[off : off + len(job.words)] = job.words
-            if store:
-                self._fetch(stream, st, total, nfetch)
-            else:
-                if first_edge:
-                    fork = create_event(self.device_id, timing=False)
-                    stream.record(fork)
-                    helper.wait_event(fork)
-                    keep.append(fork)
-                    if overlap is not None:
-                        helper.record(overlap.start)
-                        stream.wait_event(overlap.after)  # before the first unpack
-                # on the helper, ahead of this piece's row copies, which every unpack
-                # waits for anyway: no kernel (SMs) stands before the first row copy
-                cupy().cuda.runtime.memcpyAsync(st.dev_ptr, st.host_ptr, total * 8, _H2D,
-                                                helper.ptr)
-            last = first
-            ring.next = (first + len(program.slabs)) % nbuf
-            for k, (b, slab) in enumerate(zip(order, program.slabs)):
-                last = b
-                entry = entries[b]
-                job_addr = st.dev_ptr + offsets[k] * 8
-                src, dst, sizes = slab_descriptors(program, slab, ring.ptrs[b])
+            cur: int | None = None  # the buffer of the slab being enqueued
+            try:
+                nbuf = len(ring.ptrs)
+                first = ring.next
+                order = [(first + k) % nbuf for k in range(len(program.slabs))]
+                entries = {b: self.tables.entry(
+                    staging_table(plan.table, program.rows, store, ring.ptrs[b],
+                                  program.rows_per_slab),
+                    stream, keep) for b in dict.fromkeys(order)}
+                jobs = [pack_job(slab.segments, entries[b].packed.pieces, None, entries[b].pieces)
+                        for b, slab in zip(order, program.slabs)]
+                offsets = [0]
+                for job in jobs:
+                    offsets.append(offsets[-1] + len(job.words))
+                total = offsets[-1]
+                nfetch = -(-total * 8 // FETCH_BYTES) if store else 0  # `_fetch` descriptors
+                st = self.staging.take(total + 3 * nfetch)
+                keep.append(st)
+                for job, off in zip(jobs, offsets):
+                    st.words[off : off + len(job.words)] = job.words
                 if store:
-                    stream.wait_event(ring.free[b])
-                    if jobs[k].total_units:
-                        self.kernels.launch_table(stream.owner, entry.rows_addr,
-                                                  entry.frags_addr, entry.packed, job_addr,
-                                                  jobs[k], grid)
-                    stream.record(ring.ready[b])
-                    helper.wait_event(ring.ready[b])
-                    if k == 0 and first_edge and overlap is not None:
-                        helper.record(overlap.start)
-                    self._dma(batch, helper, src, dst, sizes, store)
-                    helper.record(ring.free[b])
+                    self._fetch(stream, st, total, nfetch)
                 else:
-                    helper.wait_event(ring.free[b])
-                    self._dma(batch, helper, src, dst, sizes, store)
-                    helper.record(ring.ready[b])
-                    stream.wait_event(ring.ready[b])
-                    if jobs[k].total_units:
-                        self.kernels.launch_table(stream.owner, entry.rows_addr,
-                                                  entry.frags_addr, entry.packed, job_addr,
-                                                  jobs[k], grid)
-                    stream.record(ring.free[b])
-                keep.append((src, dst, sizes))
-            if store and last_edge:
-                if overlap is not None:
-                    stream.wait_event(overlap.after)
-                stream.wait_event(ring.free[last])
-            if mark is not None:
-                (helper if store else stream).record(mark)
+                    if first_edge:
+                        fork = create_event(self.device_id, timing=False)
+                        stream.record(fork)
+                        helper.wait_event(fork)
+                        keep.append(fork)
+                        if overlap is not None:
+                            helper.record(overlap.start)
+                            stream.wait_event(overlap.after)  # before the first unpack
+                    # on the helper, ahead of this piece's row copies, which every unpack
+                    # waits for anyway: no kernel (SMs) stands before the first row copy
+                    cupy().cuda.runtime.memcpyAsync(st.dev_ptr, st.host_ptr, total * 8, _H2D,
+                                                    helper.ptr)
+                last = first
+                ring.next = (first + len(program.slabs)) % nbuf
+                for k, (b, slab) in enumerate(zip(order, program.slabs)):
+                    last = cur = b
+                    entry = entries[b]
+                    job_addr = st.dev_ptr + offsets[k] * 8
+                    src, dst, sizes = slab_descriptors(program, slab, ring.ptrs[b])
+                    if store:
+                        stream.wait_event(ring.free[b])
+                        if jobs[k].total_units:
+                            self.kernels.launch_table(stream.owner, entry.rows_addr,
+                                                      entry.frags_addr, entry.packed, job_addr,
+                                                      jobs[k], grid)
+                        stream.record(ring.ready[b])
+                        helper.wait_event(ring.ready[b])
+                        if k == 0 and first_edge and overlap is not None:
+                            helper.record(overlap.start)
+                        self._dma(batch, helper, src, dst, sizes, store)
+                        helper.record(ring.free[b])
+                    else:
+                        helper.wait_event(ring.free[b])
+                        self._dma(batch, helper, src, dst, sizes, store)
+                        helper.record(ring.ready[b])
+                        stream.wait_event(ring.ready[b])
+                        if jobs[k].total_units:
+                            self.kernels.launch_table(stream.owner, entry.rows_addr,
+                                                      entry.frags_addr, entry.packed, job_addr,
+                                                      jobs[k], grid)
+                        stream.record(ring.free[b])
+                    keep.append((src, dst, sizes))
+                    cur = None
+                if store and last_edge:
+                    if overlap is not None:
+                        stream.wait_event(overlap.after)
+                    stream.wait_event(ring.free[last])
+                if mark is not None:
+                    (helper if store else stream).record(mark)
+            except BaseException:
+                self._rejoin(ring, stream, cur, keep)
+                raise
+
+    def _rejoin(self, ring: StagingRing, stream: CudaStream, cur: int | None,
+                keep: list[object]) -> None:
+        """After an enqueue failed part-way: `stream`, on which the lane records the
+        transfer's end next, waits for everything queued on the ring's helper (else the
+        transfer ends, and its memory may go, under its own row copies), and `cur`, the
+        buffer of the slab in progress, is handed back after both streams (else the ring's
+        next user of it, this direction's urgent lane, races the half-done slab). A failure
+        here is dropped: the first one is what the caller raises."""
+        try:
+            join = create_event(self.device_id, timing=False)
+            keep.append(join)
+            ring.helper.record(join)
+            stream.wait_event(join)
+            if cur is not None:
+                stream.record(ring.free[cur])
+        except Exception:
+            pass
 
     def _fetch(self, stream: CudaStream, st: _Staging, total: int, nfetch: int) -> None:
         """Copy the `total` job words from the pinned buffer to its device twin on `stream`

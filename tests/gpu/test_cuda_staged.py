@@ -304,3 +304,48 @@ async def test_split_loads_land_in_order_beside_urgent_and_layerwise_loads(
         np.testing.assert_array_equal(got[urgent_dst], want[t][sets[0][:16]])
     np.testing.assert_array_equal(_np(after).reshape(8, page), want[7][sets[0][:8]])
     await off.aclose()
+
+
+@pytest.mark.parametrize("direction", ["store", "load"])
+def test_a_row_copy_failing_mid_transfer_ends_after_its_queued_copies(
+        direction: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A staged transfer whose second slab's row copy call fails: its first slab's row
+    copy is queued on the ring's helper stream (held here by a 0.1 s kernel). The failed
+    transfer must not end before that copy (its memory could go under it), and the ring's
+    next user, the urgent lane, then moves exactly its own bytes."""
+    from kvasync._backends._cuda_staged import StagedPath
+
+    torch = _torch()
+    page, blocks, n_t = 65536, 32, 4  # a row: 256 KiB; a 1 MiB buffer: 4 rows
+    gpu = [_u8((blocks, page), seed=70 + i) for i in range(n_t)]
+    off = kv.Offloader(kv.KVCacheLayout.from_tensors(gpu), blocks, backend="cuda",
+                       copy_path="staged", staging_bytes=4 << 20)
+    assert off.store(gpu_blocks=[0], cpu_chunks=[0]).wait(30).success  # the rings exist
+    assert off.load(cpu_chunks=[0], gpu_blocks=[1]).wait(30).success
+    ring = off.backend._staged.rings["d2h" if direction == "store" else "h2d"]  # type: ignore[attr-defined]
+    real, calls = StagedPath._dma, []
+
+    def failing(self: StagedPath, *args: Any) -> None:
+        calls.append(1)
+        if len(calls) == 2:
+            raise kv.TransferFailedError("injected row copy failure")
+        real(self, *args)
+
+    monkeypatch.setattr(StagedPath, "_dma", failing)
+    helper = torch.cuda.ExternalStream(ring.helper.ptr)
+    with torch.cuda.stream(helper):
+        torch.cuda._sleep(200_000_000)  # ~0.1 s on the helper: the row copies wait
+    ids = list(range(8, 16))  # 2 MiB: two slabs
+    call = off.store if direction == "store" else off.load
+    t = call(gpu_blocks=ids, cpu_chunks=ids)
+    with pytest.raises(kv.TransferFailedError):
+        t.wait(30)
+    assert helper.query(), "the failed transfer ended before its queued row copies"
+    monkeypatch.setattr(StagedPath, "_dma", real)
+    want = [_np(g)[16:32] for g in gpu]
+    urgent = off.store(gpu_blocks=list(range(16, 32)), cpu_chunks=list(range(16, 32)),
+                       urgent=True, path="staged")  # four slabs: through every buffer
+    assert urgent.wait(30).success
+    for i in range(n_t):
+        np.testing.assert_array_equal(off.cpu_tensors[i][16:32], want[i])
+    off.close(timeout=30)
