@@ -176,6 +176,21 @@ def array_info(x: Any, what: str = "tensor") -> ArrayInfo:
     )
 
 
+def stream_device(stream: Any) -> int | None:
+    """The CUDA device of a caller's stream object, where it says: CuPy's ``device_id``,
+    torch's ``device.index``, cuda.core's ``device.device_id``; None where it does not
+    (the stream is taken as it is)."""
+    dev = getattr(stream, "device_id", None)
+    if dev is None:
+        where = getattr(stream, "device", None)
+        dev = getattr(where, "index", None)
+        if dev is None:
+            dev = getattr(where, "device_id", None)
+    if isinstance(dev, bool) or not isinstance(dev, (int, np.integer)) or dev < 0:
+        return None  # CuPy says -1 for a stream whose device it was not told
+    return int(dev)
+
+
 def allocation_of(info: ArrayInfo) -> int:
     """An id of the memory allocation `info`'s array lies in, from the array itself: a
     torch storage's start, a CuPy memory's start, the id of a NumPy array's root buffer;

@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from .._arrays import stream_device
 from .._errors import BackendUnavailableError, InvalidTransferError, TransferFailedError
 from .._hostmem import MAX_REGISTER_CHUNK_BYTES, host_memory
 from . import _cudart
@@ -377,16 +378,16 @@ class CudaDevice(Backend):
             return self._wrap_current(cs.ptr, cs)
         if isinstance(override, CudaStream):
             return override
+        dev = stream_device(override)  # an event of ours cannot be recorded on another's
+        if dev is not None and dev != self.device_id:
+            raise InvalidTransferError(
+                f"compute stream is on CUDA device {dev}, the backend uses {self.device_id}"
+            )
         cp = cupy()
         if isinstance(override, cp.cuda.Stream):
             return CudaStream(override.ptr, override, self.device_id)
         handle = getattr(override, "cuda_stream", None)  # torch.cuda.Stream
         if isinstance(handle, int):
-            dev = getattr(getattr(override, "device", None), "index", None)
-            if dev is not None and int(dev) != self.device_id:
-                raise InvalidTransferError(
-                    f"compute stream is on CUDA device {dev}, the backend uses {self.device_id}"
-                )
             return CudaStream(handle, override, self.device_id)
         proto = getattr(override, "__cuda_stream__", None)
         if callable(proto):
