@@ -258,39 +258,57 @@ def measure(device_id: int, warm_up: Callable[[], None],
             raise RuntimeError("scratch host memory could not be pinned")
         with device(device_id):
             dev_base = int(cp.cuda.runtime.malloc(CAL_BYTES * 2))
-            stream = new_stream()
-            assert isinstance(stream, CudaStream)
-            rng = np.random.default_rng(0)
-            host_base = host.ptr
-            for direction in ("h2d", "d2h"):
-                # fixed cost first (one 4 KiB copy), so rates below exclude it
-                one = np.full(1, 4096, dtype=np.uint64)
-                s1 = np.asarray([host_base if direction == "h2d" else dev_base], np.uint64)
-                d1 = np.asarray([dev_base if direction == "h2d" else host_base], np.uint64)
-                for path in PATHS:
-                    latency[direction][path] = min(
-                        _time_raw(enqueue, stream, direction, path, s1, d1, one)
-                        for _ in range(5))
-                for page in pages:
-                    n = CAL_BYTES // page
-                    slots = 2 * n
-                    g = rng.permutation(slots)[:n].astype(np.uint64) * np.uint64(page)
-                    h = rng.permutation(slots)[:n].astype(np.uint64) * np.uint64(page)
-                    gd, hd = g + np.uint64(dev_base), h + np.uint64(host_base)
-                    src, dst = (hd, gd) if direction == "h2d" else (gd, hd)
-                    sizes = np.full(n, page, dtype=np.uint64)
+            stream: CudaStream | None = None
+            try:
+                new = new_stream()
+                assert isinstance(new, CudaStream)
+                stream = new
+                rng = np.random.default_rng(0)
+                host_base = host.ptr
+                for direction in ("h2d", "d2h"):
+                    # fixed cost first (one 4 KiB copy), so rates below exclude it
+                    one = np.full(1, 4096, dtype=np.uint64)
+                    s1 = np.asarray([host_base if direction == "h2d" else dev_base], np.uint64)
+                    d1 = np.asarray([dev_base if direction == "h2d" else host_base], np.uint64)
                     for path in PATHS:
-                        t = min(_time_raw(enqueue, stream, direction, path, src, dst, sizes)
-                                for _ in range(reps))
-                        t = max(t - latency[direction][path], 0.05 * t)
-                        gbps[direction][path].append(n * page / t / 1e9)
-            cp.cuda.runtime.streamSynchronize(stream.ptr)
-            cp.cuda.runtime.free(dev_base)
+                        latency[direction][path] = min(
+                            _time_raw(enqueue, stream, direction, path, s1, d1, one)
+                            for _ in range(5))
+                    for page in pages:
+                        n = CAL_BYTES // page
+                        slots = 2 * n
+                        g = rng.permutation(slots)[:n].astype(np.uint64) * np.uint64(page)
+                        h = rng.permutation(slots)[:n].astype(np.uint64) * np.uint64(page)
+                        gd, hd = g + np.uint64(dev_base), h + np.uint64(host_base)
+                        src, dst = (hd, gd) if direction == "h2d" else (gd, hd)
+                        sizes = np.full(n, page, dtype=np.uint64)
+                        for path in PATHS:
+                            t = min(_time_raw(enqueue, stream, direction, path, src, dst, sizes)
+                                    for _ in range(reps))
+                            t = max(t - latency[direction][path], 0.05 * t)
+                            gbps[direction][path].append(n * page / t / 1e9)
+            finally:  # every way out: nothing queued still reads the scratch as it goes
+                _drop_scratch(cp, stream, dev_base)
     finally:
         host.release()
     cal = Calibration(pages, gbps, latency, True, time.perf_counter() - t_start)
     log.info("kvasync: calibrated copy paths in %.2f s: %s", cal.seconds, cal.gbps)
     return cal
+
+
+def _drop_scratch(cp: Any, stream: CudaStream | None, dev_base: int) -> None:
+    """Wait for what the calibration queued on `stream`, then free its device scratch
+    (errors dropped: a failed calibration falls back to the static table, and 128 MiB of
+    device memory stayed allocated for good)."""
+    try:
+        if stream is not None:
+            cp.cuda.runtime.streamSynchronize(stream.ptr)
+    except Exception:
+        pass
+    try:
+        cp.cuda.runtime.free(dev_base)
+    except Exception:
+        pass
 
 
 def _time_raw(

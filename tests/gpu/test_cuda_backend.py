@@ -124,6 +124,36 @@ def test_calibration_is_measured_once_and_cached(backend: CudaBackend) -> None:
     assert cal.choose("h2d", 4096 * 1000, 1000) in ("kernel", "dma")
 
 
+def test_a_failed_measurement_frees_its_device_scratch(backend: CudaBackend, cp: Any,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The path measurement allocates 128 MiB of device scratch; a failure part-way (here
+    the third timed copy) falls back to the static figures and must free it."""
+    from kvasync._backends import _cuda_policy
+
+    real, calls = _cuda_policy._time_raw, []
+
+    def failing(*args: Any) -> float:
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("injected failure")
+        return real(*args)
+
+    monkeypatch.setattr(_cuda_policy, "_time_raw", failing)
+    measure = lambda: _cuda_policy.measure(  # noqa: E731
+        backend.device_id, backend.warm_up, backend.alloc_host, backend.new_stream,
+        backend._enqueue)
+    lost = []
+    for _ in range(3):
+        calls.clear()
+        cp.cuda.runtime.deviceSynchronize()
+        free_before = cp.cuda.runtime.memGetInfo()[0]
+        with pytest.raises(RuntimeError, match="injected"):
+            measure()
+        cp.cuda.runtime.deviceSynchronize()
+        lost.append(free_before - cp.cuda.runtime.memGetInfo()[0])
+    assert max(lost) < 64 << 20, lost  # 128 MiB per try before
+
+
 # -- pinning ------------------------------------------------------------------------------------
 class Recorder:
     """Wraps the backend's pin functions; registration `fail_at` (0-based) fails."""
