@@ -161,10 +161,10 @@ class TableCache:
             dev = cp.cuda.alloc(nbytes)
             host = cp.cuda.alloc_pinned_memory(nbytes)
             np.frombuffer(host, dtype=np.uint64, count=len(words))[:] = words
+            ready = create_event(self.device_id, timing=False)  # before the copy: no raise
+            keepalive += [host, dev]  # after it could free `dev` under the queued upload
             cp.cuda.runtime.memcpyAsync(int(dev.ptr), int(host.ptr), len(words) * 8, _H2D,
                                         stream.ptr)
-            keepalive.append(host)
-            ready = create_event(self.device_id, timing=False)
             stream.record(ready)
             assert isinstance(ready, CudaEvent)
             entry = _TableEntry(table, packed, dev, int(dev.ptr),
