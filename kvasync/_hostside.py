@@ -11,6 +11,7 @@ staged path is not offered for them.
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -140,9 +141,11 @@ def _pin_region(backend: Backend, host_region: Any, views: list[np.ndarray],
         if hasattr(host_region, "pin"):
             host_region.pin(*pin)
         else:
-            lo = min(int(v.ctypes.data) for v in views)
+            page = mmap.PAGESIZE  # the driver registers whole pages
+            lo = min(int(v.ctypes.data) for v in views) // page * page
             hi = max(int(v.ctypes.data) + (v.shape[0] - 1) * int(v.strides[0]) + v.shape[1]
                      for v in views)
+            hi = -(-hi // page) * page
             addrs = pin_chunks(lo, hi - lo, int(views[0].strides[0]), *pin)
             if addrs is not None:
                 memory.append(HostMemory(lo, hi - lo, views[0], True,
