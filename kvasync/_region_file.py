@@ -160,6 +160,11 @@ def _check_directory(directory: str) -> None:
             f"region directory {directory} is writable by other users and not sticky: they "
             "could replace the region file; use /dev/shm or a directory of your own"
         )
+    if st.st_uid not in (0, os.geteuid()):  # the sticky bit does not bind its owner
+        raise SharedRegionError(
+            f"region directory {directory} is owned by uid {st.st_uid}, who could rename "
+            "or remove the region file; use /dev/shm or a directory of your own"
+        )
 
 
 # -- one opener's file ---------------------------------------------------------------------------
@@ -238,6 +243,16 @@ def _vet(fd: int, path: str, total: int) -> os.stat_result:
     return st
 
 
+def _unlink_if(path: str, ident: tuple[int, int]) -> None:
+    """Remove `path` if it still names the file `ident` (st_dev, st_ino), never another."""
+    try:
+        now = os.lstat(path)
+        if (now.st_dev, now.st_ino) == ident:
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
 class RegionFile:
     """One opener's descriptor of the region file, and whether it created the file."""
 
@@ -271,6 +286,9 @@ class RegionFile:
                     if locked and os.fstat(fd).st_nlink > 0:
                         break
                 except BaseException:
+                    if creator:  # ours, 0 bytes: joiners would wait on it for nothing
+                        st = os.fstat(fd)
+                        _unlink_if(self.path, (st.st_dev, st.st_ino))
                     os.close(fd)
                     raise
                 # removed before we locked it (a failed creator, or remove_stale): start over
@@ -318,12 +336,7 @@ class RegionFile:
         if not self.creator or self._unlinked or self.ident is None:
             return
         self._unlinked = True
-        try:
-            st = os.lstat(self.path)
-            if (st.st_dev, st.st_ino) == self.ident:
-                os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        _unlink_if(self.path, self.ident)
 
     def close(self) -> None:
         """Close our descriptor once (a mapping keeps its own until it is unmapped)."""

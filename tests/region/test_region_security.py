@@ -492,3 +492,36 @@ def test_creator_failed_message_is_raised_verbatim(names: Names) -> None:
     threading_timer.join()
     assert not isinstance(info.value, SharedRegionTimeoutError)
     assert str(info.value).startswith("creator failed: ")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a directory to another uid needs root")
+def test_a_sticky_directory_owned_by_another_user_is_refused(tmp_path: Path) -> None:
+    """The sticky bit does not bind a directory's owner: another uid owning it could rename
+    the creator's file aside, and the next rank would create a second one (two regions
+    that each rank takes for the shared one)."""
+    d = tmp_path / "theirs"
+    d.mkdir()
+    os.chown(d, 65534, 65534)
+    os.chmod(d, 0o1777)
+    with pytest.raises(SharedRegionError, match="owned by uid 65534"):
+        SharedHostRegion(SharedHostRegion.new_name("theirs"), 2, PAGE, 0, 1, directory=str(d))
+    assert os.listdir(d) == []
+
+
+def test_a_creator_failing_before_it_hands_over_its_file_removes_it(
+        shm_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A creator failing between its O_EXCL create and the hand-over (flock refused, as on
+    a file system without locks, or a Ctrl-C there) removes the 0-byte file it made, so a
+    joiner is not left waiting on it."""
+    import errno
+    import fcntl
+
+    def no_locks(fd: int, op: int) -> None:
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(regfile, "fcntl", type("F", (), {
+        "flock": staticmethod(no_locks), "LOCK_SH": fcntl.LOCK_SH, "LOCK_NB": fcntl.LOCK_NB}))
+    name = SharedHostRegion.new_name("nolock")
+    with pytest.raises(OSError, match="No locks"):
+        SharedHostRegion(name, 2, PAGE, 0, 2, barrier=lambda: None, directory=shm_dir)
+    assert not os.path.exists(path_of(name, shm_dir))
