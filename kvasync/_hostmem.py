@@ -93,7 +93,12 @@ def pin_chunks(
     done: list[int] = []
     for off in range(0, nbytes, chunk):
         size = min(chunk, nbytes - off)
-        if register(ptr + off, size):
+        try:
+            ok = register(ptr + off, size)
+        except BaseException:  # a raising register (a Ctrl-C in the driver): roll back too
+            unpin_chunks(done, unregister)
+            raise
+        if ok:
             done.append(ptr + off)
             continue
         log.warning(

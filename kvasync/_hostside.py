@@ -137,19 +137,18 @@ def _pin_region(backend: Backend, host_region: Any, views: list[np.ndarray],
     pinned yet (vLLM's, which its worker pins) has the span of rows under the views pinned
     here, in row-aligned chunks, and unpinned at close through `memory`."""
     pin = backend.pin_functions()
-    if pin is not None and not getattr(host_region, "is_pinned", False):
-        if hasattr(host_region, "pin"):
-            host_region.pin(*pin)
-        else:
-            page = mmap.PAGESIZE  # the driver registers whole pages
-            lo = min(int(v.ctypes.data) for v in views) // page * page
-            hi = max(int(v.ctypes.data) + (v.shape[0] - 1) * int(v.strides[0]) + v.shape[1]
-                     for v in views)
-            hi = -(-hi // page) * page
-            addrs = pin_chunks(lo, hi - lo, int(views[0].strides[0]), *pin)
-            if addrs is not None:
-                memory.append(HostMemory(lo, hi - lo, views[0], True,
-                                         partial(unpin_chunks, addrs, pin[1])))
+    if pin is not None and hasattr(host_region, "pin"):
+        host_region.pin(*pin)  # pinned already: returns (after its pin barrier, if any)
+    elif pin is not None and not getattr(host_region, "is_pinned", False):
+        page = mmap.PAGESIZE  # the driver registers whole pages
+        lo = min(int(v.ctypes.data) for v in views) // page * page
+        hi = max(int(v.ctypes.data) + (v.shape[0] - 1) * int(v.strides[0]) + v.shape[1]
+                 for v in views)
+        hi = -(-hi // page) * page
+        addrs = pin_chunks(lo, hi - lo, int(views[0].strides[0]), *pin)
+        if addrs is not None:
+            memory.append(HostMemory(lo, hi - lo, views[0], True,
+                                     partial(unpin_chunks, addrs, pin[1])))
     for v in views:
         backend.register_array(array_info(v))
     return bool(getattr(host_region, "is_pinned", False)) or pin is None or bool(memory)

@@ -137,7 +137,14 @@ def pin_coordinated(
                           register, unregister, cap)
 
     lo, hi = first_rows
-    mine = rows(lo, hi)
+    try:
+        mine = rows(lo, hi)
+    except BaseException:
+        try:
+            barrier()  # peers never hang, even when our slice raised
+        except BaseException:
+            pass  # the original error wins
+        raise
     try:
         barrier()  # peers never hang, even when our slice failed
     except BaseException:
@@ -176,6 +183,8 @@ class RegionPins:
         """Register `num_rows` rows of `row_stride` bytes at `ptr` (see
         `SharedHostRegion.pin`); False if that failed and nothing stays registered."""
         if self.pinned:
+            if barrier is not None:
+                barrier()  # once per call, as every rank's: a peer retrying waits for it
             return True
         if barrier is None:
             addrs = pin_chunks(ptr, num_rows * row_stride, row_stride, register, unregister,

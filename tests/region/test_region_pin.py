@@ -163,6 +163,61 @@ def test_a_failing_rank_rolls_back_and_its_peers_do_not_hang(names: Names, phase
     assert all(rt.live == {} for rt in rts)
 
 
+class RaisingRuntime(RankRuntime):
+    """A register that raises at call `fail_at` (a Ctrl-C inside the driver's call)."""
+
+    def register(self, ptr: int, size: int) -> bool:
+        if self.calls == self.fail_at:
+            self.calls += 1
+            raise KeyboardInterrupt("in the driver")
+        return super().register(ptr, size)
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_whose_register_raises_rolls_back_and_still_meets_its_peers(
+        names: Names) -> None:
+    """Rank 1's second registration raises: its first chunk is unregistered, it reaches
+    the barrier once (its peers do not hang) and the exception reaches its caller."""
+    world, rows, stride = 2, 4, PAGE
+    log = Log()
+    barrier_of = gated(log, world)
+    name = names()
+    regions = [SharedHostRegion(name, rows, stride, r, world, populate=False)
+               for r in range(world)]
+    rts = [RankRuntime(log, 0), RaisingRuntime(log, 1, fail_at=1)]
+    results = run_ranks(lambda r: regions[r].pin(rts[r].register, rts[r].unregister,
+                                                 cap=stride, barrier=barrier_of(r)), world)
+    assert results[0] is True and isinstance(results[1], KeyboardInterrupt)
+    assert sorted(e[1] for e in log.events if e[0] == "barrier") == [0, 1]
+    assert rts[1].live == {} and not regions[1].is_pinned
+    for region in regions:
+        region.close()
+    assert all(rt.live == {} for rt in rts)
+
+
+@pytest.mark.timeout(60)
+def test_pinning_a_pinned_region_again_still_meets_the_peers(names: Names) -> None:
+    """After a coordinated pin where rank 1 failed, both ranks pin again: rank 0 (pinned
+    already) still calls the barrier once, so rank 1 does not wait on it alone."""
+    world, rows, stride = 2, 4, PAGE
+    log = Log()
+    barrier_of = gated(log, world)
+    name = names()
+    regions = [SharedHostRegion(name, rows, stride, r, world, populate=False)
+               for r in range(world)]
+    rts = [RankRuntime(log, 0), RankRuntime(log, 1, fail_at=0)]
+
+    def pin(r: int) -> object:
+        return regions[r].pin(rts[r].register, rts[r].unregister, cap=stride,
+                              barrier=barrier_of(r))
+    assert run_ranks(pin, world) == [True, False]
+    assert run_ranks(pin, world) == [True, True]  # rank 1's retry: calls 1 onward succeed
+    assert sorted(e[1] for e in log.events if e[0] == "barrier") == [0, 0, 1, 1]
+    for region in regions:
+        region.close()
+    assert all(rt.live == {} for rt in rts)
+
+
 @pytest.mark.timeout(30)
 def test_a_broken_barrier_unpins_the_slice_and_raises(names: Names) -> None:
     log = Log()
