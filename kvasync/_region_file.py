@@ -243,11 +243,14 @@ def _vet(fd: int, path: str, total: int) -> os.stat_result:
     return st
 
 
+def _ident(st: os.stat_result) -> tuple[int, int]:
+    return st.st_dev, st.st_ino
+
+
 def _unlink_if(path: str, ident: tuple[int, int]) -> None:
     """Remove `path` if it still names the file `ident` (st_dev, st_ino), never another."""
     try:
-        now = os.lstat(path)
-        if (now.st_dev, now.st_ino) == ident:
+        if _ident(os.lstat(path)) == ident:
             os.unlink(path)
     except FileNotFoundError:
         pass
@@ -283,12 +286,15 @@ class RegionFile:
                     if not creator:
                         _vet(fd, self.path, self.total)
                     locked = _lock_shared(fd)
+                    while (creator and not locked and os.fstat(fd).st_nlink > 0
+                           and time.monotonic() < deadline):  # a probe holds our new file
+                        time.sleep(0.001)
+                        locked = _lock_shared(fd)
                     if locked and os.fstat(fd).st_nlink > 0:
                         break
                 except BaseException:
                     if creator:  # ours, 0 bytes: joiners would wait on it for nothing
-                        st = os.fstat(fd)
-                        _unlink_if(self.path, (st.st_dev, st.st_ino))
+                        _unlink_if(self.path, _ident(os.fstat(fd)))
                     os.close(fd)
                     raise
                 # removed before we locked it (a failed creator, or remove_stale): start over
@@ -301,8 +307,7 @@ class RegionFile:
             delay = min(delay * 2, 0.005)
         self.fd, self.creator = fd, creator
         self._closer = weakref.finalize(self, os.close, fd)
-        st = os.fstat(fd)
-        self.ident = (st.st_dev, st.st_ino)
+        self.ident = _ident(os.fstat(fd))
         if creator:
             check_capacity(self.directory, self.path, self.total, shape)
             os.ftruncate(fd, self.total)
@@ -333,10 +338,9 @@ class RegionFile:
     def unlink(self) -> None:
         """Remove the path if we created the file and the path still names it (never a
         file of another job or a newer region)."""
-        if not self.creator or self._unlinked or self.ident is None:
-            return
-        self._unlinked = True
-        _unlink_if(self.path, self.ident)
+        if self.creator and not self._unlinked and self.ident is not None:
+            self._unlinked = True
+            _unlink_if(self.path, self.ident)
 
     def close(self) -> None:
         """Close our descriptor once (a mapping keeps its own until it is unmapped)."""
@@ -378,15 +382,14 @@ def remove_stale(directory: str = "/dev/shm", *, min_age: float = 60.0,
             continue
         try:
             fst = os.fstat(fd)
-            if (fst.st_dev, fst.st_ino) != (st.st_dev, st.st_ino):
+            if _ident(fst) != _ident(st):
                 continue
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 continue  # an opener holds it: a live job
             if not dry_run:
-                now_st = os.lstat(path)
-                if (now_st.st_dev, now_st.st_ino) != (st.st_dev, st.st_ino):
+                if _ident(os.lstat(path)) != _ident(st):
                     continue
                 os.unlink(path)  # openers that wait on our lock see st_nlink == 0, retry
             found.append(path)

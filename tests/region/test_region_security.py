@@ -525,3 +525,33 @@ def test_a_creator_failing_before_it_hands_over_its_file_removes_it(
     with pytest.raises(OSError, match="No locks"):
         SharedHostRegion(name, 2, PAGE, 0, 2, barrier=lambda: None, directory=shm_dir)
     assert not os.path.exists(path_of(name, shm_dir))
+
+
+@pytest.mark.timeout(60)
+def test_a_creator_whose_first_lock_meets_a_probe_keeps_its_file(
+        shm_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An exclusive lock held at the instant the creator takes its shared one (what
+    `remove_stale(dry_run=True)` does while it looks) used to make the creator drop the
+    file it had just made, rejoin it as a joiner and time out waiting for a size."""
+    import fcntl
+
+    name = SharedHostRegion.new_name("probe")
+    path = path_of(name, shm_dir)
+    real, probed = regfile._lock_shared, []
+
+    def probed_once(fd: int) -> bool:
+        if probed:
+            return real(fd)
+        probed.append(1)
+        probe = os.open(path, os.O_RDONLY)
+        fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        try:
+            return real(fd)  # refused while the probe holds it
+        finally:
+            os.close(probe)
+
+    monkeypatch.setattr(regfile, "_lock_shared", probed_once)
+    region = SharedHostRegion(name, 2, PAGE, 0, 1, timeout=5.0, directory=shm_dir)
+    assert region.is_creator and probed
+    region.close()
+    assert not os.path.exists(path)
