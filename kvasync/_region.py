@@ -37,9 +37,10 @@ from ._errors import (
     SharedRegionTimeoutError,
 )
 from ._hostmem import MAX_REGISTER_CHUNK_BYTES, Register, Unregister
-from ._region_file import RegionFile, new_name, remove_stale
+from ._region_file import RegionFile, new_name
 from ._region_geometry import Populate, RegionGeometry, ViewCarver, region_geometry
 from ._region_pages import MADV_POPULATE_WRITE, RegionPins, pin_slice, populate, populate_spans
+from ._region_stale import remove_stale
 
 __all__ = [
     "MADV_POPULATE_WRITE",
@@ -92,7 +93,7 @@ class SharedHostRegion:
         try:  # even bad arguments reach the barrier below, so peers never hang
             self._geo, mode = region_geometry(name, num_rows, row_stride, rank, world_size,
                                               timeout, directory, populate)
-            self._file = RegionFile(directory, name, self._geo.total)
+            self._file = RegionFile(directory, name, self._geo.total, self._keep)
             self._file.open(timeout, f"{self._geo.num_rows} rows x {self._geo.row_stride} B")
             self._map()
             if mode:

@@ -27,8 +27,7 @@ import weakref
 
 from ._errors import InvalidTransferError, SharedRegionError, SharedRegionTimeoutError
 
-__all__ = ["FILE_PREFIX", "FILE_SUFFIX", "RegionFile", "check_name", "new_name",
-           "remove_stale"]
+__all__ = ["FILE_PREFIX", "FILE_SUFFIX", "RegionFile", "check_name", "ident", "new_name"]
 
 FILE_PREFIX, FILE_SUFFIX = "kvasync-", ".shm"
 
@@ -243,32 +242,40 @@ def _vet(fd: int, path: str, total: int) -> os.stat_result:
     return st
 
 
-def _ident(st: os.stat_result) -> tuple[int, int]:
+def ident(st: os.stat_result) -> tuple[int, int]:
+    """A file's identity: (st_dev, st_ino)."""
     return st.st_dev, st.st_ino
 
 
-def _unlink_if(path: str, ident: tuple[int, int]) -> None:
-    """Remove `path` if it still names the file `ident` (st_dev, st_ino), never another."""
+def _unlink_if(path: str, want: tuple[int, int]) -> None:
+    """Remove `path` if it still names the file `want` (st_dev, st_ino), never another."""
     try:
-        if _ident(os.lstat(path)) == ident:
+        if ident(os.lstat(path)) == want:
             os.unlink(path)
     except FileNotFoundError:
         pass
 
 
+def _collected(fd: int, path: str, unlink: tuple[int, int] | None) -> None:
+    if unlink is not None:  # ours, not kept: a collected region leaves no file
+        _unlink_if(path, unlink)
+    os.close(fd)
+
+
 class RegionFile:
     """One opener's descriptor of the region file, and whether it created the file."""
 
-    def __init__(self, directory: str, name: str, total: int) -> None:
+    def __init__(self, directory: str, name: str, total: int, keep: bool = False) -> None:
         self.directory = directory
+        self.keep = keep  # a creator's file stays when it is collected unclosed
         self.path = path_for(directory, name)
         self.total = total
         self.fd = -1
         self.creator = False
         self.ident: tuple[int, int] | None = None  # (st_dev, st_ino) of the file we opened
         self._unlinked = False
-        # closes the fd if close() is never called
-        self._closer: weakref.finalize[[int], RegionFile] | None = None
+        # closes the fd (and removes a creator's path) if close() is never called
+        self._closer: weakref.finalize[..., RegionFile] | None = None
 
     def open(self, timeout: float, shape: str) -> None:
         """Create the file, or join it once it is vetted and sized. On return the file is
@@ -294,7 +301,7 @@ class RegionFile:
                         break
                 except BaseException:
                     if creator:  # ours, 0 bytes: joiners would wait on it for nothing
-                        _unlink_if(self.path, _ident(os.fstat(fd)))
+                        _unlink_if(self.path, ident(os.fstat(fd)))
                     os.close(fd)
                     raise
                 # removed before we locked it (a failed creator, or remove_stale): start over
@@ -306,8 +313,9 @@ class RegionFile:
             time.sleep(delay)
             delay = min(delay * 2, 0.005)
         self.fd, self.creator = fd, creator
-        self._closer = weakref.finalize(self, os.close, fd)
-        self.ident = _ident(os.fstat(fd))
+        self.ident = ident(os.fstat(fd))
+        self._closer = weakref.finalize(self, _collected, fd, self.path,
+                                        self.ident if creator and not self.keep else None)
         if creator:
             check_capacity(self.directory, self.path, self.total, shape)
             os.ftruncate(fd, self.total)
@@ -348,53 +356,3 @@ class RegionFile:
         if closer is not None:
             closer()
         self.fd = -1
-
-
-def remove_stale(directory: str = "/dev/shm", *, min_age: float = 60.0,
-                 dry_run: bool = False) -> list[str]:
-    """Remove region files of dead jobs from `directory`; the paths removed (or, with
-    `dry_run`, that would be).
-
-    A file is stale when it is named like a region file, is a regular file owned by this
-    uid, was last changed at least `min_age` seconds ago, and no process holds it open
-    through a `SharedHostRegion` (each opener keeps a shared flock until it closes). Files
-    of live jobs, of other users, and anything that is not a regular file are left alone.
-    """
-    if isinstance(min_age, bool) or not isinstance(min_age, (int, float)) or not min_age >= 0:
-        raise InvalidTransferError(f"min_age must be a number of seconds >= 0, got {min_age!r}")
-    uid, now = os.geteuid(), time.time()
-    found: list[str] = []
-    for entry in sorted(os.listdir(directory)):
-        if not (entry.startswith(FILE_PREFIX) and entry.endswith(FILE_SUFFIX)):
-            continue
-        path = os.path.join(directory, entry)
-        try:
-            st = os.lstat(path)
-        except FileNotFoundError:
-            continue
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != uid:
-            continue
-        if now - max(st.st_mtime, st.st_ctime) < min_age:
-            continue  # maybe a creator between its open and its lock
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-        except OSError:
-            continue
-        try:
-            fst = os.fstat(fd)
-            if _ident(fst) != _ident(st):
-                continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                continue  # an opener holds it: a live job
-            if not dry_run:
-                if _ident(os.lstat(path)) != _ident(st):
-                    continue
-                os.unlink(path)  # openers that wait on our lock see st_nlink == 0, retry
-            found.append(path)
-        except FileNotFoundError:
-            continue
-        finally:
-            os.close(fd)
-    return found

@@ -748,3 +748,18 @@ def test_a_row_larger_than_the_cap_is_registered_whole(names: Names) -> None:
     assert region.pin(rt.register, rt.unregister, cap=PAGE)
     assert [n for _, n in rt.registered] == [4 * PAGE, 4 * PAGE]
     region.close()
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_a_region_collected_unclosed_removes_its_file_unless_kept(names: Names,
+                                                                    keep: bool) -> None:
+    """Without a barrier the creator removes the path in close(); collected without one,
+    it removes it too (it left the file behind), unless `keep_file`."""
+    name = names()
+    region = SharedHostRegion(name, 2, PAGE, 0, 1, keep_file=keep)
+    assert region.is_creator and os.path.exists(path_of(name))
+    del region
+    gc.collect()
+    assert os.path.exists(path_of(name)) == keep
+    if keep:
+        os.unlink(path_of(name))
