@@ -12,6 +12,8 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+import warnings
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -77,6 +79,9 @@ class RemoteOffloader:
                 raise InvalidTransferError(f"{name} must be an int >= {low}, got {value!r}")
         if not isinstance(timeout, (int, float)) or not timeout > 0:
             raise InvalidTransferError(f"timeout must be a number > 0, got {timeout!r}")
+        if completion not in ("hybrid", "thread"):  # before the pool gives us a region
+            raise InvalidTransferError(
+                f"completion must be 'hybrid' or 'thread', got {completion!r}")
         self.layout = layout
         self.num_cpu_chunks = int(num_cpu_chunks)
         self.blocks_per_chunk = int(blocks_per_chunk)
@@ -94,20 +99,24 @@ class RemoteOffloader:
                 self.backend.register_array(t.info)
             self._compute_override = compute_stream
             self.backend.compute_stream(compute_stream)  # validate early
-        except BaseException:
+            self._tables: dict[Direction, RefTable] = pool_tables(
+                layout, self.num_cpu_chunks, self.blocks_per_chunk, self.canonical,
+                self.backend.remote_base)
+            self._engine = CompletionEngine(completion)
+            lanes: list[tuple[Direction, bool]] = [("d2h", False), ("h2d", False),
+                                                   ("d2h", True), ("h2d", True)]
+            self._queues = {lane: DirectionQueue(self.backend, lane[0], self._engine,
+                                                 max_streams, lane[1]) for lane in lanes}
+        except BaseException:  # the pool's region, the link and its thread go back
             self.backend.close()
             raise
-        self._tables: dict[Direction, RefTable] = pool_tables(
-            layout, self.num_cpu_chunks, self.blocks_per_chunk, self.canonical,
-            self.backend.remote_base)
-        self._engine = CompletionEngine(completion)
-        lanes: list[tuple[Direction, bool]] = [("d2h", False), ("h2d", False),
-                                               ("d2h", True), ("h2d", True)]
-        self._queues = {lane: DirectionQueue(self.backend, lane[0], self._engine,
-                                             max_streams, lane[1]) for lane in lanes}
         self._job_ids = itertools.count()
         self._submit_lock = threading.Lock()
         self._closed = False
+        # dropped unclosed: its threads stop and the pool gets its rows back (no reference
+        # to self, so it can be collected at all)
+        self._finalizer = weakref.finalize(self, _collected, list(self._queues.values()),
+                                           self._engine, self.backend)
 
     # -- public API ---------------------------------------------------------------------------
     @property
@@ -228,6 +237,7 @@ class RemoteOffloader:
             if self._closed:
                 return
             self._closed = True
+        self._finalizer.detach()
         queues = list(self._queues.values())
         for q in queues:
             q.refuse_new()
@@ -272,3 +282,23 @@ class RemoteOffloader:
             "stream_threads": self.backend.live_threads,
             "inflight": sum(q.inflight for q in self._queues.values()),
         }
+
+
+#: seconds a collected offloader's release waits for a lock (it may run on a thread holding it)
+_GC_LOCK_TIMEOUT = 1.0
+
+
+def _collected(queues: list[DirectionQueue], engine: CompletionEngine,
+               backend: NixlBackend) -> None:
+    """An unclosed RemoteOffloader was collected: refuse new work, stop its threads and,
+    when nothing is in flight (else those transfers end by the backend's timeout and the
+    pool frees the rows when the link drops), close the backend: the pool's rows go back."""
+    for q in queues:
+        q.refuse_new(locked=False)
+    for q in queues:
+        q.request_stop(_GC_LOCK_TIMEOUT)
+    engine.close(_GC_LOCK_TIMEOUT)
+    if all(q.inflight == 0 for q in queues):
+        backend.close()
+    warnings.warn("unclosed kvasync RemoteOffloader: released by garbage collection; call "
+                  "close() or use 'with' / 'async with'", ResourceWarning, stacklevel=1)

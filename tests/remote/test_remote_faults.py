@@ -268,3 +268,42 @@ def test_a_closed_clients_region_is_free_when_close_returns() -> None:
             with RemoteOffloader(layout, 256, peer=addr) as off:  # the whole pool
                 assert off.store(gpu_blocks=[0], cpu_chunks=[0]).wait(20).success
             assert pool.free_bytes == pool.pool_bytes
+
+
+def _kvasync_threads() -> list[str]:
+    return sorted(t.name for t in threading.enumerate()
+                  if t.name.startswith("kvasync") and "pool" not in t.name)
+
+
+@needs_nixl
+def test_a_refused_or_dropped_offloader_gives_its_region_and_threads_back() -> None:
+    """A constructor refused after the link was made (a bad `completion`), and an offloader
+    dropped unclosed, leave no client of the pool, no region held and no thread behind."""
+    import gc
+
+    from kvasync.remote import RemoteOffloader, RemotePool
+
+    with RemotePool(4 << 20) as pool:
+        addr = f"{pool.address[0]}:{pool.address[1]}"
+        layout = kv.KVCacheLayout.from_tensors([np.zeros((8, 4096), np.uint8)])
+        before = _kvasync_threads()
+        for _ in range(2):
+            with pytest.raises(kv.InvalidTransferError, match="completion"):
+                RemoteOffloader(layout, 8, peer=addr, completion="bogus")
+
+        def use() -> None:
+            off = RemoteOffloader(layout, 8, peer=addr)
+            assert off.store(gpu_blocks=[0], cpu_chunks=[0]).wait(20).success
+
+        with pytest.warns(ResourceWarning, match="unclosed kvasync RemoteOffloader"):
+            for _ in range(2):
+                use()
+                gc.collect()
+        deadline = time.monotonic() + 10
+        while pool.free_bytes != pool.pool_bytes and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert pool.free_bytes == pool.pool_bytes
+        deadline = time.monotonic() + 10
+        while _kvasync_threads() != before and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _kvasync_threads() == before
