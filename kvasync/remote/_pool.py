@@ -166,6 +166,8 @@ class RemotePool:
             log.debug("kvasync pool: client dropped: %s", exc)
         finally:
             for start, n in held:
+                if self._closed:  # the pool is going: no next client, and no memory soon
+                    break
                 # the next client must not read this one's KV: zero before lending again
                 # (a memset: dropping the pages could leave NIXL's registration stale)
                 ctypes.memset(self._mem.ptr + start, 0, n)
@@ -207,12 +209,19 @@ class RemotePool:
         self._accepter.join(timeout=10)
         self._stop.set()
         self._progress.join(timeout=10)
-        for conn, thread in clients:
+        for conn, _ in clients:
             try:
                 conn.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-            thread.join(timeout=10)
+        stuck = 0
+        for _, thread in clients:  # one still zeroing a region writes into the pool
+            thread.join(timeout=120)
+            stuck += thread.is_alive()
+        if stuck:  # never unmap under it: the process's exit frees the memory
+            log.error("kvasync pool: %d client thread(s) did not end in 120 s; the pool's "
+                      "memory stays mapped", stuck)
+            return
         self._release()
 
     def _release(self) -> None:

@@ -307,3 +307,22 @@ def test_a_refused_or_dropped_offloader_gives_its_region_and_threads_back() -> N
         while _kvasync_threads() != before and time.monotonic() < deadline:
             time.sleep(0.01)
         assert _kvasync_threads() == before
+
+
+@needs_nixl
+def test_serve_stops_at_once_while_a_big_region_is_attached() -> None:
+    """SIGTERM with a client holding 6 GiB of never-touched pool: the client's thread used
+    to zero the whole region at close (seconds of page faults) and the pool was unmapped
+    under it after 10 s, a segfault. The pool is going: nothing is zeroed."""
+    import socket
+
+    from kvasync.remote._nixl import recv_msg, send_msg
+
+    size = 6 << 30
+    with pool_process(size) as pool:
+        host, port = pool.address.rsplit(":", 1)
+        with socket.create_connection((host, int(port))) as conn:
+            send_msg(conn, {"op": "attach", "nbytes": size, "align": 4096})
+            assert recv_msg(conn)["ok"]
+            rc, out, err = pool.stop(signal.SIGTERM)
+            assert rc == 0 and "kvasync pool closed" in out, (rc, err)
