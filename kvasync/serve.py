@@ -34,12 +34,15 @@ def spawn(pool_bytes: int, listen: str = "127.0.0.1:0", **popen: Any
           ) -> tuple[subprocess.Popen[str], str]:
     """Start a pool owner in a child process; returns it and its control address once it
     serves (RuntimeError, with its stderr where captured, if it exits first). `popen` goes
-    to `subprocess.Popen` (e.g. ``stderr=subprocess.PIPE``, ``start_new_session=True``)."""
+    to `subprocess.Popen` (e.g. ``stderr=subprocess.PIPE``, ``start_new_session=True``).
+    The child shuts down when this process is gone (``--exit-with-parent``): a caller
+    killed before it stops the pool leaves no pool running."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvasync.serve", "--pool-bytes", str(pool_bytes),
-         "--listen", listen], stdout=subprocess.PIPE, text=True, env=env, **popen)
+         "--listen", listen, "--exit-with-parent"], stdout=subprocess.PIPE, text=True,
+        env=env, **popen)
     assert proc.stdout is not None
     line = ""
     while "listening on" not in line:
@@ -58,7 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--listen", default="127.0.0.1:0",
                         help="control address HOST:PORT (port 0: any free port)")
     parser.add_argument("--name", default=None, help="the pool's NIXL agent name")
+    parser.add_argument("--exit-with-parent", action="store_true",
+                        help="shut down, as on SIGTERM, once the parent process is gone")
     args = parser.parse_args(argv)
+    parent = os.getppid()
 
     from .remote import RemotePool
 
@@ -79,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvasync pool {pool.name} listening on {host}:{port} ({pool.pool_bytes} B)",
               flush=True)
         while not stop.wait(0.5):
-            pass
+            if args.exit_with_parent and os.getppid() != parent:  # re-parented: it died
+                break
     finally:
         pool.close()
     print("kvasync pool closed", flush=True)

@@ -326,3 +326,29 @@ def test_serve_stops_at_once_while_a_big_region_is_attached() -> None:
             assert recv_msg(conn)["ok"]
             rc, out, err = pool.stop(signal.SIGTERM)
             assert rc == 0 and "kvasync pool closed" in out, (rc, err)
+
+
+@needs_nixl
+def test_a_pool_spawned_by_a_process_that_dies_shuts_down() -> None:
+    """`serve.spawn` starts the pool with --exit-with-parent: its parent killed without
+    stopping it (SIGKILL), the pool notices it was re-parented and exits."""
+    import os
+
+    code = ("import os, subprocess; from kvasync.serve import spawn; "
+            "p, _ = spawn(16 << 20, stderr=subprocess.DEVNULL, start_new_session=True); "
+            "print(p.pid, flush=True); os.kill(os.getpid(), 9)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, cwd=ROOT)
+    pid = int(out.stdout.split()[0])
+    deadline = time.monotonic() + 15
+    alive = True
+    while alive and time.monotonic() < deadline:
+        try:  # gone, or a zombie its new parent has not reaped
+            with open(f"/proc/{pid}/stat") as f:
+                alive = f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            alive = False
+        time.sleep(0.1)
+    if alive:
+        os.kill(pid, signal.SIGKILL)
+    assert not alive, "the orphaned pool kept running"
