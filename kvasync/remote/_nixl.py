@@ -24,7 +24,7 @@ import threading
 from importlib import import_module
 from typing import Any
 
-from .._errors import BackendUnavailableError
+from .._errors import BackendUnavailableError, InvalidTransferError
 
 __all__ = ["MAX_MESSAGE", "new_agent", "nixl", "parse_address", "recv_msg", "send_msg"]
 
@@ -78,13 +78,17 @@ def new_agent(name: str) -> Any:
 
 
 def parse_address(address: str | tuple[str, int]) -> tuple[str, int]:
-    """("host", port) from "host:port" (IPv6 as "[::1]:port") or a tuple."""
+    """("host", port) from "host:port" (IPv6 as "[::1]:port") or a (host, port) tuple;
+    InvalidTransferError (a ValueError) for anything else."""
     if isinstance(address, tuple):
-        return str(address[0]), int(address[1])
-    host, sep, port_text = str(address).rpartition(":")
-    if not sep or not port_text.isdigit():
-        raise ValueError(f"address must be HOST:PORT, got {address!r}")
-    return host.strip("[]") or "127.0.0.1", int(port_text)
+        if (len(address) == 2 and isinstance(address[1], int)
+                and not isinstance(address[1], bool) and 0 <= address[1] < 65536):
+            return str(address[0]), int(address[1])
+    else:
+        host, sep, port_text = str(address).rpartition(":")
+        if sep and port_text.isdigit() and int(port_text) < 65536:
+            return host.strip("[]") or "127.0.0.1", int(port_text)
+    raise InvalidTransferError(f"address must be HOST:PORT or (host, port), got {address!r}")
 
 
 def send_msg(sock: socket.socket, msg: dict[str, Any]) -> None:

@@ -92,7 +92,11 @@ class RemoteOffloader:
         self.row_bytes = pool_row_bytes(layout, self.blocks_per_chunk, self.canonical)
         self.backend = NixlBackend(peer, self.num_cpu_chunks * self.row_bytes, 4096,
                                    device=first.device, device_id=first.device_id,
-                                   timeout=float(timeout), staging_bytes=int(staging_bytes))
+                                   timeout=float(timeout),
+                                   # more than the region is never used (and 16 TiB of it
+                                   # failed the first store, breaking its direction)
+                                   staging_bytes=min(int(staging_bytes),
+                                                     self.num_cpu_chunks * self.row_bytes))
         try:
             for i, t in enumerate(layout.tensors):
                 self.backend.check_device_array(t.info, f"KV tensor {i}")

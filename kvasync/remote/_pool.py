@@ -101,8 +101,13 @@ class RemotePool:
             self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             self._sock.bind((host, port))
             self._sock.listen(64)
-        except BaseException:
+        except BaseException as exc:
+            sock = getattr(self, "_sock", None)
+            if sock is not None:
+                sock.close()
             self._release()
+            if isinstance(exc, OSError) and sock is not None:  # say which address
+                raise OSError(exc.errno, f"{exc.strerror}: {host}:{port}") from exc
             raise
         self.address: tuple[str, int] = self._sock.getsockname()[:2]
         self._stop = threading.Event()

@@ -352,3 +352,44 @@ def test_a_pool_spawned_by_a_process_that_dies_shuts_down() -> None:
     if alive:
         os.kill(pid, signal.SIGKILL)
     assert not alive, "the orphaned pool kept running"
+
+
+@needs_nixl
+@pytest.mark.parametrize("peer", ["localhost", "127.0.0.1:99999", ("127.0.0.1", "x"), None])
+def test_a_bad_peer_is_an_invalid_transfer_error(peer: object) -> None:
+    from kvasync.remote import RemoteOffloader
+
+    layout = kv.KVCacheLayout.from_tensors([np.zeros((8, 4096), np.uint8)])
+    with pytest.raises(kv.InvalidTransferError, match="HOST:PORT"):
+        RemoteOffloader(layout, 8, peer=peer)  # type: ignore[arg-type]
+
+
+@needs_nixl
+def test_staging_larger_than_the_region_is_the_region() -> None:
+    """16 TiB of staging used to be taken as given and fail the first store, breaking its
+    direction: no transfer ever stages more than the region."""
+    from kvasync.remote import RemoteOffloader, RemotePool
+
+    with RemotePool(1 << 20) as pool:
+        addr = f"{pool.address[0]}:{pool.address[1]}"
+        layout = kv.KVCacheLayout.from_tensors([np.full((8, 4096), 3, np.uint8)])
+        with RemoteOffloader(layout, 8, peer=addr, staging_bytes=1 << 44) as off:
+            assert off.store(gpu_blocks=list(range(8)), cpu_chunks=list(range(8))).wait(
+                20).success
+            assert not off.broken
+
+
+@needs_nixl
+def test_a_pool_that_cannot_bind_names_the_address_and_keeps_no_socket() -> None:
+    import gc
+    import warnings
+
+    from kvasync.remote import RemotePool
+
+    with RemotePool(1 << 20) as first:
+        taken = f"{first.address[0]}:{first.address[1]}"
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ResourceWarning)  # an unclosed socket
+            with pytest.raises(OSError, match=taken.replace(".", r"\.")):
+                RemotePool(1 << 20, taken)
+            gc.collect()
