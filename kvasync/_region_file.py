@@ -213,6 +213,19 @@ def _lock_shared(fd: int) -> bool:
     return True
 
 
+def _unheld_full(fd: int, total: int) -> bool:
+    """Whether the file is sized and no opener holds it: a live creator holds its shared
+    lock from before it sizes the file until it closes (or the barrier removes the path)."""
+    if os.fstat(fd).st_size != total:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return True
+
+
 def _vet(fd: int, path: str, total: int) -> os.stat_result:
     """Refuse anything but our own private regular file of size 0 or `total`."""
     st = os.fstat(fd)
@@ -292,6 +305,11 @@ class RegionFile:
                 try:
                     if not creator:
                         _vet(fd, self.path, self.total)
+                        if not self.keep and _unheld_full(fd, self.total):
+                            raise SharedRegionError(
+                                f"{self.path} is a full-size region file nobody holds: a "
+                                "dead job's (SharedHostRegion.remove_stale removes it); "
+                                "pass keep_file=True to join a region kept on purpose")
                     locked = _lock_shared(fd)
                     while (creator and not locked and os.fstat(fd).st_nlink > 0
                            and time.monotonic() < deadline):  # a probe holds our new file

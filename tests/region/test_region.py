@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import gc
 import mmap
 import os
@@ -340,10 +341,13 @@ def _stub(name: str, size: int = 0) -> str:
 def test_join_waits_for_the_size(names: Names) -> None:
     name = names()
     path = _stub(name, 4 * PAGE)
+    creator = os.open(path, os.O_RDONLY)  # a live creator holds its file (shared flock)
+    fcntl.flock(creator, fcntl.LOCK_SH)
     t0 = time.monotonic()
     region = SharedHostRegion(name, 4, PAGE, 1, 2)  # big enough already
     assert time.monotonic() - t0 < 0.5 and not region.is_creator
     region.close()
+    os.close(creator)
     os.unlink(path)
 
     name = names()

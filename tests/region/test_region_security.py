@@ -46,6 +46,8 @@ FRAGMENTS = {
     "memory": "not enough memory for the region",
     "space": "free, the region",
     "directory": "writable by other users and not sticky",
+    "directory owner": "owned by uid",
+    "stale": "nobody holds",
     "timeout": "stayed at 0 B",
 }
 
@@ -367,19 +369,29 @@ def test_an_opener_refused_by_another_live_job_leaves_it_working(shm_dir: str) -
 
 
 @pytest.mark.timeout(30)
-def test_a_joiner_that_passed_the_barrier_leaves_a_file_it_did_not_create(
+def test_a_dead_jobs_full_size_file_is_refused_unless_kept_on_purpose(
     shm_dir: str,
 ) -> None:
+    """A run killed before its barrier leaves its full-size file; a restart under the same
+    name found it and every rank joined it: nobody removed it, and the new run read the
+    dead run's bytes. A sized file nobody holds is refused, and removed by remove_stale;
+    `keep_file=True` joins it (a region kept on purpose) and leaves it in place."""
     name = SharedHostRegion.new_name("stale")
     path = path_of(name, shm_dir)
-    plant(path, 2 * PAGE)  # a full-size file of a crashed run of the same name
+    plant(path, 2 * PAGE, data=b"dead run")
     ino = os.stat(path).st_ino
-    region = SharedHostRegion(name, 2, PAGE, 0, 1, barrier=lambda: None, directory=shm_dir)
-    assert not region.is_creator
-    assert os.stat(path).st_ino == ino
-    region.close()
+    with pytest.raises(SharedRegionError, match="nobody holds"):
+        SharedHostRegion(name, 2, PAGE, 0, 1, barrier=lambda: None, directory=shm_dir)
+    assert os.stat(path).st_ino == ino  # refused, not removed
+    kept = SharedHostRegion(name, 2, PAGE, 0, 1, barrier=lambda: None, keep_file=True,
+                            directory=shm_dir)
+    assert not kept.is_creator and bytes(kept.raw_view()[0, :8]) == b"dead run"
+    kept.close()
     assert os.stat(path).st_ino == ino
     assert SharedHostRegion.remove_stale(shm_dir, min_age=0) == [path]
+    fresh = SharedHostRegion(name, 2, PAGE, 0, 1, barrier=lambda: None, directory=shm_dir)
+    assert fresh.is_creator and not os.path.exists(path)  # created, then the barrier
+    fresh.close()
 
 
 # -- stale files -------------------------------------------------------------------------------
@@ -461,12 +473,13 @@ def test_an_opener_racing_remove_stale_starts_over_on_a_fresh_file(
         return real(fd)
 
     monkeypatch.setattr(regfile, "_lock_shared", lock_after_removal)
-    region = SharedHostRegion(name, 2, PAGE, 0, 1, directory=shm_dir)
+    # keep_file: an opener that would join a kept file (else the stale file is refused)
+    region = SharedHostRegion(name, 2, PAGE, 0, 1, keep_file=True, directory=shm_dir)
     assert raced == [[path]]
     assert region.is_creator and os.stat(path).st_ino != stale_ino
     assert bytes(region.raw_view()[0, :5]) == b"\0" * 5
     region.close()
-    assert not os.path.exists(path)
+    os.unlink(path)
 
 
 # -- the docs say what the code does -------------------------------------------------------------
