@@ -142,7 +142,7 @@ def check_timeout(timeout: float | None) -> None:
     if timeout is not None and (isinstance(timeout, bool)
                                 or not isinstance(timeout, (int, float, np.integer,
                                                             np.floating))
-                                or timeout != timeout):  # NaN
+                                or not -float("inf") < timeout < float("inf")):  # NaN, inf
         raise InvalidTransferError(f"timeout must be None or a number of seconds, got "
                                    f"{timeout!r}")
 

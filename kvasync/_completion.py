@@ -146,7 +146,10 @@ class _LoopResolver:
             while True:
                 try:
                     if not self._ready:
-                        await self._sleep()
+                        if cancelled:  # an awaiter giving up wakes nobody: look again
+                            await self._nap(0.05)
+                        else:
+                            await self._sleep()
                 except asyncio.CancelledError:
                     # an app or asyncio.run's shutdown cancelling every task: a task still
                     # awaiting a transfer here (a cleanup that waits for its copy) would

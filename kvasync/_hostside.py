@@ -137,8 +137,10 @@ def _pin_region(backend: Backend, host_region: Any, views: list[np.ndarray],
     pinned yet (vLLM's, which its worker pins) has the span of rows under the views pinned
     here, in row-aligned chunks, and unpinned at close through `memory`."""
     pin = backend.pin_functions()
-    if pin is not None and hasattr(host_region, "pin"):
-        host_region.pin(*pin)  # pinned already: returns (after its pin barrier, if any)
+    if pin is not None and hasattr(host_region, "pin") and (
+            isinstance(host_region, SharedHostRegion)  # pinned: returns after its barrier
+            or not getattr(host_region, "is_pinned", False)):
+        host_region.pin(*pin)
     elif pin is not None and not getattr(host_region, "is_pinned", False):
         page = mmap.PAGESIZE  # the driver registers whole pages
         lo = min(int(v.ctypes.data) for v in views) // page * page

@@ -226,7 +226,7 @@ class LaneCompletion:
                 try:
                     idle = self._finish(rec)
                 except BaseException:  # a Ctrl-C landed inside: complete it all the same
-                    self._settle(rec)
+                    _settle(self, rec)
                     raise
                 done += 1
         if done:
@@ -255,8 +255,8 @@ class LaneCompletion:
                 _learn(self.path_rate, rec.path, rate)
         with self._lock:
             self._recycle(rec)
+        rec.recorded = True  # first: an interrupt after it must not count it twice
         self.stats.finished(result, error)
-        rec.recorded = True
         try:
             enter_completion()
             rec.transfer._complete(result, error)
@@ -276,19 +276,6 @@ class LaneCompletion:
                 self._tail_eta = 0.0
                 self._idle.notify_all()
         return idle
-
-    def _settle(self, rec: InFlight) -> None:
-        """What `_finish` left undone when an exception from outside (a Ctrl-C on the thread
-        that polled) cut it short, each once: else waiters and close() wait forever."""
-        error = rec.submit_error or rec.end.error() or self.failure
-        result = None if error is not None else TransferResult(
-            rec.transfer.job_id, True, rec.plan.nbytes, 0.0)
-        if not rec.recorded:
-            rec.recorded = True
-            self.stats.finished(result, error)
-        rec.transfer._complete(result, error)  # nothing if it completed already
-        if self._leave(rec) and self.closed and self.on_idle is not None:
-            self.on_idle()
 
     def _recycle(self, rec: InFlight) -> None:
         if self.failure is not None:
@@ -338,3 +325,24 @@ class LaneCompletion:
     @property
     def thread_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+
+def _settle(lane: LaneCompletion, rec: InFlight) -> None:
+    """What `_finish` left undone when an exception from outside (a Ctrl-C on the thread
+    that polled) cut it short, each once: else waiters and close() wait forever."""
+    error = rec.submit_error or rec.end.error()
+    behind = lane.failure if lane.failure is not error else None
+    result = None
+    if error is not None or behind is not None:
+        error = _failure(rec.transfer.job_id, error, behind)
+    else:
+        result = TransferResult(rec.transfer.job_id, True, rec.plan.nbytes, 0.0)
+    if not rec.recorded:
+        rec.recorded = True
+        lane.stats.finished(result, error)
+    rec.transfer._complete(result, error)  # nothing if it completed already
+    lane._leave(rec)
+    with lane._lock:
+        idle = lane._inflight == 0
+    if idle and lane.closed and lane.on_idle is not None:
+        lane.on_idle()  # the release of a close that could not wait, as `poll` does

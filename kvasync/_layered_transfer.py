@@ -27,12 +27,16 @@ class LayeredTransfer(FutureMethods):
     """
 
     def __init__(
-        self, job_id: int, layers: list[Transfer], events: list[Any], backend: Any
+        self, job_id: int, layers: list[Transfer], events: list[Any], backend: Any,
+        enqueued: int | None = None
     ) -> None:
         self.job_id = job_id
         self.layers = layers
         self.events = events
         self._backend = backend
+        # the last layer that went to the lane completes last; the ones after it (refused
+        # by a close between layers) were done from the start
+        self._tail = layers[(len(layers) if enqueued is None else enqueued) - 1]
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -61,10 +65,10 @@ class LayeredTransfer(FutureMethods):
         context: contextvars.Context | None = None
     ) -> None:
         """Call `fn(self)` once every layer is done; where it runs as for a Transfer."""
-        self.layers[-1].add_done_callback(Relay(fn, self), context=context)
+        self._tail.add_done_callback(Relay(fn, self), context=context)
 
     def remove_done_callback(self, fn: Callable[[LayeredTransfer], object]) -> int:
-        return self.layers[-1].remove_done_callback(fn)
+        return self._tail.remove_done_callback(fn)
 
     def wait_layer(self, index: int, stream: Any | None = None) -> None:
         """Make `stream` (default: the compute stream) wait on the device until layer `index`

@@ -269,9 +269,9 @@ def _unlink_if(path: str, want: tuple[int, int]) -> None:
         pass
 
 
-def _collected(fd: int, path: str, unlink: tuple[int, int] | None) -> None:
-    if unlink is not None:  # ours, not kept: a collected region leaves no file
-        _unlink_if(path, unlink)
+def _collected(fd: int, path: str, unlink: tuple[int, int] | None, pid: int) -> None:
+    if unlink is not None and os.getpid() == pid:  # ours, not kept (a forked child's exit
+        _unlink_if(path, unlink)  # runs this too: the file is its parent's)
     os.close(fd)
 
 
@@ -333,7 +333,8 @@ class RegionFile:
         self.fd, self.creator = fd, creator
         self.ident = ident(os.fstat(fd))
         self._closer = weakref.finalize(self, _collected, fd, self.path,
-                                        self.ident if creator and not self.keep else None)
+                                        self.ident if creator and not self.keep else None,
+                                        os.getpid())
         if creator:
             check_capacity(self.directory, self.path, self.total, shape)
             os.ftruncate(fd, self.total)

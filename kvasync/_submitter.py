@@ -105,10 +105,12 @@ class Submitter:
         jid = job_id if job_id is not None else next(self.lanes.job_ids)
         signals = [self.backend.new_event(timing=False) for _ in parts]
         transfers: list[Transfer] = []
+        enqueued = 0
         for part, signal, concrete in zip(parts, signals, paths):
             try:
                 transfers.append(self.enqueue("h2d", part, jid, compute, default_stream, path,
                                               urgent, signal, both_ways_memory, concrete))
+                enqueued = len(transfers)
             except (OffloaderClosedError, OffloaderBrokenError) as exc:
                 if not transfers:  # nothing accepted: the call is refused whole
                     raise
@@ -117,4 +119,4 @@ class Submitter:
                 refused = Transfer(jid, "h2d", part.nbytes, self.lanes.engine)
                 refused._complete(None, exc)
                 transfers.append(refused)
-        return LayeredTransfer(jid, transfers, signals, self.backend)
+        return LayeredTransfer(jid, transfers, signals, self.backend, enqueued)

@@ -41,8 +41,8 @@ def spawn(pool_bytes: int, listen: str = "127.0.0.1:0", **popen: Any
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvasync.serve", "--pool-bytes", str(pool_bytes),
-         "--listen", listen, "--exit-with-parent"], stdout=subprocess.PIPE, text=True,
-        env=env, **popen)
+         "--listen", listen, "--exit-with-parent", str(os.getpid())],
+        stdout=subprocess.PIPE, text=True, env=env, **popen)
     assert proc.stdout is not None
     line = ""
     while "listening on" not in line:
@@ -61,10 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--listen", default="127.0.0.1:0",
                         help="control address HOST:PORT (port 0: any free port)")
     parser.add_argument("--name", default=None, help="the pool's NIXL agent name")
-    parser.add_argument("--exit-with-parent", action="store_true",
-                        help="shut down, as on SIGTERM, once the parent process is gone")
+    parser.add_argument("--exit-with-parent", type=int, default=None, metavar="PID",
+                        help="shut down, as on SIGTERM, once PID is no longer this "
+                             "process's parent (it died)")
     args = parser.parse_args(argv)
-    parent = os.getppid()
 
     from .remote import RemotePool
 
@@ -85,8 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvasync pool {pool.name} listening on {host}:{port} ({pool.pool_bytes} B)",
               flush=True)
         while not stop.wait(0.5):
-            if args.exit_with_parent and os.getppid() != parent:  # re-parented: it died
-                break
+            if args.exit_with_parent is not None and os.getppid() != args.exit_with_parent:
+                break  # re-parented: the process that started us died
     finally:
         pool.close()
     print("kvasync pool closed", flush=True)

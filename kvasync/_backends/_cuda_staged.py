@@ -262,10 +262,13 @@ class StagedPath:
             keep.append(join)
             ring.helper.record(join)
             stream.wait_event(join)
-            if cur is not None:
-                stream.record(ring.free[cur])
         except Exception:
             pass
+        if cur is not None:
+            try:  # even if the join failed: the buffer's next user waits for this much
+                stream.record(ring.free[cur])
+            except Exception:
+                pass
 
     def _fetch(self, stream: CudaStream, st: _Staging, total: int, nfetch: int) -> None:
         """Copy the `total` job words from the pinned buffer to its device twin on `stream`

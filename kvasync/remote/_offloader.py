@@ -32,6 +32,7 @@ from .._layered_transfer import LayeredTransfer
 from .._layout import KVCacheLayout
 from .._program import RefTable, TransferPlan, build_plan, split_plan
 from .._scheduler import DirectionQueue
+from .._threadstate import fork_generation, forked_since
 from .._transfer import Transfer
 from ._backend import NixlBackend
 from ._rows import pool_row_bytes, pool_tables
@@ -120,7 +121,7 @@ class RemoteOffloader:
         # dropped unclosed: its threads stop and the pool gets its rows back (no reference
         # to self, so it can be collected at all)
         self._finalizer = weakref.finalize(self, _collected, list(self._queues.values()),
-                                           self._engine, self.backend)
+                                           self._engine, self.backend, fork_generation())
 
     # -- public API ---------------------------------------------------------------------------
     @property
@@ -293,10 +294,13 @@ _GC_LOCK_TIMEOUT = 1.0
 
 
 def _collected(queues: list[DirectionQueue], engine: CompletionEngine,
-               backend: NixlBackend) -> None:
+               backend: NixlBackend, generation: int) -> None:
     """An unclosed RemoteOffloader was collected: refuse new work, stop its threads and,
     when nothing is in flight (else those transfers end by the backend's timeout and the
-    pool frees the rows when the link drops), close the backend: the pool's rows go back."""
+    pool frees the rows when the link drops), close the backend: the pool's rows go back.
+    Nothing in a forked child, whose exit runs it too: the link is the parent's."""
+    if forked_since(generation):
+        return
     for q in queues:
         q.refuse_new(locked=False)
     for q in queues:

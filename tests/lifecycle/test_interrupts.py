@@ -202,3 +202,79 @@ def test_a_forked_child_gets_a_clear_error_and_can_build_its_own() -> None:
     assert out.stdout.splitlines() == [
         "child: refused True", "child: refused True", "child: own True",
         "parent: child exit 0", "parent: own True"], (out.stdout, out.stderr)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="asyncio.timeout is Python 3.11+")
+def test_asyncio_run_returns_when_the_cleanup_await_gives_up() -> None:
+    """The resolver goes on while a task awaits through it; a cleanup await that gives up
+    (a timeout) wakes nobody, and the resolver used to sleep until the transfer ended (5 s
+    here, forever for one that never does) with asyncio.run waiting on it."""
+    code = textwrap.dedent("""
+        import asyncio, threading, time, numpy as np, kvasync as kv
+        from support import Gate
+        gpu = [np.zeros((8, 64), np.uint8) for _ in range(2)]
+        off = kv.Offloader(kv.KVCacheLayout.from_tensors(gpu), 8, backend="host",
+                           completion="thread")  # no polling wakes the resolver
+        gate = Gate()
+        threading.Timer(5.0, gate.open).start()
+        async def handler():
+            t = off.store(gpu_blocks=[1], cpu_chunks=[1], stream=gate.stream)
+            try:
+                await t
+            except asyncio.CancelledError:
+                try:
+                    async with asyncio.timeout(0.1):  # wait a little for the copy, then go
+                        await t
+                except TimeoutError:
+                    pass
+                raise
+        async def main():
+            for _ in range(4):
+                asyncio.ensure_future(handler())
+            await asyncio.sleep(0.05)
+        t0 = time.monotonic()
+        asyncio.run(main())
+        print(f"returned after {time.monotonic() - t0:.2f}")
+        off.close()
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=30, cwd="tests")
+    assert out.returncode == 0, out.stderr
+    assert float(out.stdout.split()[-1]) < 3.0, out.stdout  # not the transfer's 5 s
+
+
+@pytest.mark.timeout(60)
+def test_a_ctrl_c_completing_a_closed_offloaders_last_transfer_still_releases_it(
+        gate: Gate, monkeypatch: pytest.MonkeyPatch) -> None:
+    """close(timeout=0) left one transfer in flight; its waiter completes it by polling and
+    a Ctrl-C lands right after the completion: the release that close could not do must
+    still follow (the in-flight count fell to 0 inside the interrupted step)."""
+    from kvasync._transfer import Transfer
+
+    monkeypatch.setattr(HostBackend, "poll_from_await", True)
+    real, fired = Transfer._complete, []
+
+    def complete(self: Transfer, result: object, error: object) -> None:
+        real(self, result, error)  # type: ignore[arg-type]
+        if not fired and threading.current_thread() is threading.main_thread():
+            fired.append(True)
+            raise KeyboardInterrupt("Ctrl-C")
+
+    monkeypatch.setattr(Transfer, "_complete", complete)
+    for _ in range(200):
+        off = make()
+        g = Gate()
+        t = off.store(gpu_blocks=list(range(64)), cpu_chunks=list(range(64)), stream=g.stream)
+        with pytest.raises(TimeoutError):
+            off.close(timeout=0)
+        g.open()
+        try:
+            t.wait(10)
+        except KeyboardInterrupt:
+            pass
+        if fired:
+            break
+        off._life.released.wait(5)
+    assert fired
+    assert off._life.released.wait(5), "the closed offloader was never released"

@@ -733,7 +733,7 @@ def test_process_exit_with_copies_queued_and_nothing_closed() -> None:
     assert proc.stdout.strip() == "exiting"
 
 
-@pytest.mark.parametrize("timeout", ["5", float("nan"), True, [1]])
+@pytest.mark.parametrize("timeout", ["5", float("nan"), float("inf"), True, [1]])
 def test_a_bad_close_timeout_is_refused_before_anything_is_shut(timeout: object) -> None:
     gpu = [np.zeros((8, 64), np.uint8) for _ in range(2)]
     off = kv.Offloader(kv.KVCacheLayout.from_tensors(gpu), 8, backend="host")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -290,6 +291,44 @@ def test_a_close_between_layers_fails_the_rest_and_returns_the_layers_in_flight(
     with pytest.raises(kv.TransferFailedError):
         lt.wait(10)
     assert [int(g[3, 0]) for g in gpu] == [7, 7, 0, 0]
+    seen: list[bool] = []  # the whole is done once its last enqueued layer is
+    lt.add_done_callback(lambda t: seen.append(t.done()))
+    assert seen == [True]
     off.close(timeout=10)
     with pytest.raises(kv.OffloaderClosedError):  # closed before any layer: refused whole
         off.load_layerwise(cpu_chunks=[0], gpu_blocks=[3])
+
+
+def test_a_layered_callback_waits_for_the_layers_in_flight_when_later_ones_were_refused(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The later layers, refused by a close between layers, are done from the start; a
+    done-callback of the whole used to hang on the last of them and run at once, while
+    the first layer was still copying (its result() then raised 'not done yet')."""
+    from kvasync._submitter import Submitter
+
+    gpu = [np.zeros((8, 64), np.uint8) for _ in range(2)]
+    off = kv.Offloader(kv.KVCacheLayout.from_tensors(gpu), 8, backend="host")
+    gate = HostStream(name="held")
+    held = threading.Event()
+    gate.enqueue(held.wait)
+    real = Submitter.enqueue
+
+    def enqueue(self: Submitter, *args: object, **kw: object) -> kv.Transfer:
+        t = real(self, *args, **kw)  # type: ignore[arg-type]
+        off._life.begin()  # close() lands right after the first layer
+        return t
+
+    monkeypatch.setattr(Submitter, "enqueue", enqueue)
+    lt = off.load_layerwise(cpu_chunks=[1], gpu_blocks=[1], stream=gate)
+    monkeypatch.setattr(Submitter, "enqueue", real)
+    seen: list[bool] = []
+    lt.add_done_callback(lambda t: seen.append(t.done()))
+    assert seen == [] and not lt.layers[0].done() and lt.layers[1].done()
+    held.set()
+    lt.layers[0].wait(10)
+    deadline = time.monotonic() + 5
+    while not seen and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert seen == [True]
+    gate.close()
+    off.close(timeout=10)

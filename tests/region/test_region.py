@@ -10,6 +10,7 @@ import gc
 import mmap
 import os
 import signal
+import textwrap
 import threading
 import time
 from collections.abc import Callable
@@ -767,3 +768,31 @@ def test_a_region_collected_unclosed_removes_its_file_unless_kept(names: Names,
     assert os.path.exists(path_of(name)) == keep
     if keep:
         os.unlink(path_of(name))
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
+def test_a_forked_childs_exit_leaves_its_parents_region_file(names: Names) -> None:
+    """A creator without a barrier keeps the path until close(); a child it forks that
+    exits normally runs the collection hooks too, and must not remove the parent's file
+    (a rank joining by name later would create a second, empty region)."""
+    import subprocess
+    import sys
+
+    code = textwrap.dedent(f"""
+        import os, sys
+        from kvasync import SharedHostRegion
+        region = SharedHostRegion({names()!r}, 4, {PAGE}, 0, 2)
+        region.raw_view()[0, :4] = [1, 2, 3, 4]
+        pid = os.fork()
+        if pid == 0:
+            sys.exit(0)  # a normal exit: atexit and the finalizers run in the child
+        os.waitpid(pid, 0)
+        kept = os.path.exists(region.path)
+        joiner = SharedHostRegion(region.name, 4, {PAGE}, 1, 2)
+        print(kept, joiner.is_creator, list(map(int, joiner.raw_view()[0, :4])))
+        joiner.close()
+        region.close()
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert out.stdout.split("\n")[0] == "True False [1, 2, 3, 4]", out.stdout + out.stderr

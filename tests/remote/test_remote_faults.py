@@ -7,6 +7,7 @@ import asyncio
 import signal
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 
@@ -393,3 +394,31 @@ def test_a_pool_that_cannot_bind_names_the_address_and_keeps_no_socket() -> None
             with pytest.raises(OSError, match=taken.replace(".", r"\.")):
                 RemotePool(1 << 20, taken)
             gc.collect()
+
+
+@needs_nixl
+def test_a_forked_childs_exit_leaves_its_parents_link_to_the_pool() -> None:
+    """An unclosed RemoteOffloader's collection hook runs in a forked child at its exit
+    too; it must not drop the link the child inherited: the pool would take the parent's
+    rows back and the parent's next load would fail."""
+    code = textwrap.dedent("""
+        import os, sys, numpy as np, kvasync as kv
+        from kvasync.remote import RemoteOffloader, RemotePool
+        pool = RemotePool(4 << 20)
+        gpu = [np.full((8, 4096), 7, np.uint8)]
+        off = RemoteOffloader(kv.KVCacheLayout.from_tensors(gpu), 8,
+                              peer="%s:%d" % pool.address)
+        assert off.store(gpu_blocks=[0], cpu_chunks=[0]).wait(20).success
+        pid = os.fork()
+        if pid == 0:
+            sys.exit(0)  # a normal exit: the finalizers run in the child
+        os.waitpid(pid, 0)
+        gpu[0][:] = 0
+        ok = off.load(cpu_chunks=[0], gpu_blocks=[0]).wait(20).success
+        print(ok, bool((gpu[0][0] == 7).all()), pool.num_clients)
+        off.close()
+        pool.close()
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=90, cwd=ROOT)
+    assert out.stdout.split("\n")[0] == "True True 1", out.stdout + out.stderr
