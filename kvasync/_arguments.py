@@ -9,6 +9,7 @@ layer-wise load's layers.
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
 
@@ -136,15 +137,16 @@ def check_sizes(
             raise InvalidTransferError(f"{name} must be an int >= {low}, got {value!r}")
 
 
-def check_timeout(timeout: float | None) -> None:
-    """A timeout is None or a number of seconds (<= 0: do not wait), checked before anything
-    is shut."""
+def check_timeout(timeout: float | None) -> float | None:
+    """A timeout is None or a number of seconds (<= 0: do not wait; beyond what a lock wait
+    takes, inf included: no limit, None), checked before anything is shut."""
     if timeout is not None and (isinstance(timeout, bool)
                                 or not isinstance(timeout, (int, float, np.integer,
                                                             np.floating))
-                                or not -float("inf") < timeout < float("inf")):  # NaN, inf
+                                or timeout != timeout):  # NaN
         raise InvalidTransferError(f"timeout must be None or a number of seconds, got "
                                    f"{timeout!r}")
+    return None if timeout is None or timeout >= threading.TIMEOUT_MAX else float(timeout)
 
 
 def check_staging_bytes(staging_bytes: int | None) -> int | None:

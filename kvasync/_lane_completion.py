@@ -255,8 +255,8 @@ class LaneCompletion:
                 _learn(self.path_rate, rec.path, rate)
         with self._lock:
             self._recycle(rec)
-        rec.recorded = True  # first: an interrupt after it must not count it twice
         self.stats.finished(result, error)
+        rec.recorded = True
         try:
             enter_completion()
             rec.transfer._complete(result, error)
@@ -337,11 +337,15 @@ def _settle(lane: LaneCompletion, rec: InFlight) -> None:
         error = _failure(rec.transfer.job_id, error, behind)
     else:
         result = TransferResult(rec.transfer.job_id, True, rec.plan.nbytes, 0.0)
-    if not rec.recorded:
+    if not rec.recorded:  # counted unless the oldest is no longer this job (it was)
         rec.recorded = True
-        lane.stats.finished(result, error)
-    rec.transfer._complete(result, error)  # nothing if it completed already
-    lane._leave(rec)
+        lane.stats.finished(result, error, rec.transfer.job_id)
+    try:
+        enter_completion()  # its callbacks, if they had not run, run as in `_finish`
+        rec.transfer._complete(result, error)  # nothing if it completed already
+    finally:
+        exit_completion()
+        lane._leave(rec)
     with lane._lock:
         idle = lane._inflight == 0
     if idle and lane.closed and lane.on_idle is not None:

@@ -248,7 +248,7 @@ class Offloader:
         - interrupted (Ctrl-C), it leaves the same state; the next `close()` finishes;
         - inside a done-callback it does not wait: the release follows the last transfer.
         """
-        check_timeout(timeout)
+        timeout = check_timeout(timeout)
         self._submitter.closed = True
         self._life.close(timeout)
 

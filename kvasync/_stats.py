@@ -255,10 +255,14 @@ class LaneRecorder:
             log.debug("kvasync: job %d %s %s lane: submitted %d B on path %s",
                       job_id, self.direction, self.lane, nbytes, path)
 
-    def finished(self, result: TransferResult | None, error: BaseException | None) -> None:
+    def finished(self, result: TransferResult | None, error: BaseException | None,
+                 job_id: int | None = None) -> None:
         """The oldest transfer in flight completed (called in completion order, which is
-        submission order), with `result` or failed with `error`."""
+        submission order), with `result` or failed with `error`; with `job_id`, only if the
+        oldest is that job's (a count interrupted half-way is not made twice)."""
         now = time.perf_counter()
+        if job_id is not None and self._pending and self._pending[0][1] != job_id:
+            return
         try:
             t0, jid, path, nbytes = self._pending.popleft()
         except IndexError:  # not submitted through `submitted`: nothing to account

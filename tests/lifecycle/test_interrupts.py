@@ -142,8 +142,16 @@ def test_a_ctrl_c_inside_a_polled_completion_still_completes_the_transfer(
         return real(self, rec)  # type: ignore[arg-type]
 
     monkeypatch.setattr(LaneCompletion, "_finish", interrupted)
+    closed_inside: list[bool] = []
+
+    def close_inside(tr: kv.Transfer) -> None:  # documented not to wait inside a callback
+        if fired and not closed_inside:
+            off.close(timeout=5)  # TimeoutError if it waited for its own transfer
+            closed_inside.append(True)
+
     for _ in range(200):
         t = off.store(gpu_blocks=list(range(64)), cpu_chunks=list(range(64)))
+        t.add_done_callback(close_inside)
         try:
             if poller == "wait":
                 t.wait(10)
@@ -154,7 +162,7 @@ def test_a_ctrl_c_inside_a_polled_completion_still_completes_the_transfer(
         if fired:
             break
     assert fired, "the main thread never completed a transfer itself"
-    assert t.wait(5).success and t.done()
+    assert t.wait(5).success and t.done() and closed_inside == [True]
     assert all(q.inflight == 0 for q in off._queues.values())
     off.close(timeout=5)
 

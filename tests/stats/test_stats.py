@@ -261,3 +261,20 @@ def test_progress_via_asyncio(off: kv.Offloader) -> None:
         return t.progress()
 
     assert asyncio.run(main()) == (TENSORS * PAGE, TENSORS * PAGE)
+
+
+def test_a_completion_counted_with_its_job_id_is_never_counted_twice() -> None:
+    """A completion interrupted between its count and its mark is counted again from the
+    interrupt's clean-up, with its job id: that count is skipped when the oldest transfer
+    in flight is no longer that job (the next one's entry stays for it)."""
+    from kvasync._stats import LaneRecorder
+    from kvasync._transfer import TransferResult
+
+    rec = LaneRecorder("d2h", False)
+    rec.submitted(7, "dma", 100)
+    rec.submitted(8, "dma", 200)
+    rec.finished(TransferResult(7, True, 100, 0.1), None, 7)
+    rec.finished(TransferResult(7, True, 100, 0.1), None, 7)  # the clean-up: skipped
+    assert rec.snapshot().completed == 1
+    rec.finished(TransferResult(8, True, 200, 0.1), None, 8)
+    assert rec.snapshot().completed == 2 and rec.snapshot().in_flight == 0
