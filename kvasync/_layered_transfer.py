@@ -10,10 +10,11 @@ import contextvars
 from collections.abc import Callable, Generator
 from typing import Any
 
+from ._errors import OffloaderBrokenError, OffloaderClosedError
 from ._future import FutureMethods, Relay
 from ._transfer import Progress, Transfer, TransferResult, transfer_progress
 
-__all__ = ["LayeredTransfer", "layered_progress"]
+__all__ = ["LayeredTransfer", "layered_progress", "submit_layers"]
 
 
 class LayeredTransfer(FutureMethods):
@@ -101,3 +102,24 @@ def layered_progress(t: LayeredTransfer) -> Progress:
     """The bytes of the layers that have landed (each layer has its own end event)."""
     parts = [transfer_progress(layer) for layer in t.layers]
     return Progress(sum(p.done for p in parts), sum(p.total for p in parts))
+
+
+def submit_layers(submits: list[Callable[[], Transfer]], sizes: list[int], job_id: int,
+                  engine: Any) -> tuple[list[Transfer], int]:
+    """Submit each layer in order (`submits[i]()`); the transfers and how many were
+    enqueued. Refused before the first, the call raises. Refused after (a close, or a
+    failed direction, between two layers), the later layers are failed transfers instead:
+    the ones enqueued write into the GPU blocks, and the caller must be able to wait."""
+    transfers: list[Transfer] = []
+    enqueued = 0
+    for submit, nbytes in zip(submits, sizes):
+        try:
+            transfers.append(submit())
+            enqueued = len(transfers)
+        except (OffloaderClosedError, OffloaderBrokenError) as exc:
+            if not transfers:
+                raise
+            refused = Transfer(job_id, "h2d", nbytes, engine)
+            refused._complete(None, exc)
+            transfers.append(refused)
+    return transfers, enqueued

@@ -13,13 +13,14 @@ to the offloader.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 from ._arguments import check_job_id
 from ._backends import Backend, Direction, Stream
-from ._errors import InvalidTransferError, OffloaderBrokenError, OffloaderClosedError
+from ._errors import InvalidTransferError, OffloaderClosedError
 from ._lanes import Lanes
-from ._layered_transfer import LayeredTransfer
+from ._layered_transfer import LayeredTransfer, submit_layers
 from ._layout import KVCacheLayout
 from ._program import Ids, RefTable, TransferPlan, build_plan, split_plan
 from ._transfer import Transfer
@@ -104,19 +105,9 @@ class Submitter:
             stream if stream is not None else default_stream)  # once for every layer
         jid = job_id if job_id is not None else next(self.lanes.job_ids)
         signals = [self.backend.new_event(timing=False) for _ in parts]
-        transfers: list[Transfer] = []
-        enqueued = 0
-        for part, signal, concrete in zip(parts, signals, paths):
-            try:
-                transfers.append(self.enqueue("h2d", part, jid, compute, default_stream, path,
-                                              urgent, signal, both_ways_memory, concrete))
-                enqueued = len(transfers)
-            except (OffloaderClosedError, OffloaderBrokenError) as exc:
-                if not transfers:  # nothing accepted: the call is refused whole
-                    raise
-                # closed (or failed) between layers: the layers already enqueued write into
-                # the GPU blocks, so the call is accepted and these layers fail instead
-                refused = Transfer(jid, "h2d", part.nbytes, self.lanes.engine)
-                refused._complete(None, exc)
-                transfers.append(refused)
+        transfers, enqueued = submit_layers(
+            [partial(self.enqueue, "h2d", part, jid, compute, default_stream, path, urgent,
+                     signal, both_ways_memory, concrete)
+             for part, signal, concrete in zip(parts, signals, paths)],
+            [part.nbytes for part in parts], jid, self.lanes.engine)
         return LayeredTransfer(jid, transfers, signals, self.backend, enqueued)

@@ -15,6 +15,7 @@ import time
 import warnings
 import weakref
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -28,7 +29,7 @@ from .._errors import (
     OffloaderClosedError,
 )
 from .._lanes import drain_queues, drain_queues_sync
-from .._layered_transfer import LayeredTransfer
+from .._layered_transfer import LayeredTransfer, submit_layers
 from .._layout import KVCacheLayout
 from .._program import RefTable, TransferPlan, build_plan, split_plan
 from .._scheduler import DirectionQueue
@@ -199,9 +200,11 @@ class RemoteOffloader:
                 job_id = next(self._job_ids)
         signals = [self.backend.new_event(timing=False) for _ in parts]
         queue = self._queues[("h2d", bool(urgent))]
-        transfers = [queue.submit(part, job_id, "nixl", compute, signal)
-                     for part, signal in zip(parts, signals)]
-        return LayeredTransfer(job_id, transfers, signals, self.backend)
+        transfers, enqueued = submit_layers(
+            [partial(queue.submit, part, job_id, "nixl", compute, signal)
+             for part, signal in zip(parts, signals)],
+            [part.nbytes for part in parts], job_id, self._engine)
+        return LayeredTransfer(job_id, transfers, signals, self.backend, enqueued)
 
     def _submit(self, direction: Direction, gpu_blocks: Ids, cpu_chunks: Ids,
                 group_sizes: Sequence[int] | None, block_indices: Sequence[int] | None,

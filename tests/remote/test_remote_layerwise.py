@@ -148,3 +148,29 @@ def test_a_cuda_compute_stream_is_refused_before_enqueue(pool: PoolProcess,
         assert all(q.last_transfer is None for q in off._queues.values())
         monkeypatch.undo()
         assert off.load(cpu_chunks=[0], gpu_blocks=[0]).wait(20).job_id == 0
+
+
+def test_a_close_between_layers_fails_the_later_layers_not_the_call(
+        pool: PoolProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As on the local offloader: the layers already submitted write into the GPU blocks,
+    so the call returns them and the later layers fail as closed."""
+    from kvasync._scheduler import DirectionQueue
+
+    kvs = [np.zeros((8, 4096), np.uint8) for _ in range(3)]
+    with _remote(pool, kvs, 8) as off:
+        assert off.store(gpu_blocks=[0], cpu_chunks=[0]).wait(20).success
+        real, calls = DirectionQueue.submit, []
+
+        def submit(self: DirectionQueue, *args: object, **kw: object) -> kv.Transfer:
+            if len(calls) == 1:
+                self.refuse_new()  # what close() does first, landing after layer 0
+            calls.append(1)
+            return real(self, *args, **kw)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(DirectionQueue, "submit", submit)
+        lt = off.load_layerwise(cpu_chunks=[0], gpu_blocks=[1], stream=HostStream())
+        monkeypatch.setattr(DirectionQueue, "submit", real)
+        assert lt.layers[0].wait(20).success
+        for x in lt.layers[1:]:
+            with pytest.raises(kv.TransferFailedError, match="closed"):
+                x.wait(20)
