@@ -96,6 +96,32 @@ def rows_of(region: SharedHostRegion, events: list[tuple[str, int, int, int]],
             if w == "reg" and r == rank]
 
 
+class Ranks:
+    """`world` ranks of one region file (rows of one page each, not populated), one log and
+    per-rank barriers; `pin` pins every rank's region at once, coordinated, a row a chunk."""
+
+    def __init__(self, names: Names, world: int, rows: int) -> None:
+        self.world = world
+        self.log = Log()
+        self.barrier_of = gated(self.log, world)
+        name = names()
+        self.regions = [SharedHostRegion(name, rows, PAGE, r, world, populate=False)
+                        for r in range(world)]
+
+    def pin(self, rts: list[RankRuntime]) -> list[object]:
+        return run_ranks(lambda r: self.regions[r].pin(
+            rts[r].register, rts[r].unregister, cap=PAGE, barrier=self.barrier_of(r)),
+            self.world)
+
+    def barriers(self) -> list[int]:
+        """The ranks that reached the barrier, one entry per arrival, sorted."""
+        return sorted(e[1] for e in self.log.events if e[0] == "barrier")
+
+    def close(self) -> None:
+        for region in self.regions:
+            region.close()
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(("world", "rows", "cap_rows"), [(4, 8, 1), (4, 10, 3), (3, 2, 4),
                                                           (1, 5, 2)])
@@ -140,26 +166,19 @@ def test_each_rank_pins_its_slice_then_one_barrier_then_the_rest(
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("phase", ["slice", "rest"])
 def test_a_failing_rank_rolls_back_and_its_peers_do_not_hang(names: Names, phase: str) -> None:
-    world, rows, stride = 3, 6, PAGE
-    log = Log()
-    barrier_of = gated(log, world)
-    name = names()
-    regions = [SharedHostRegion(name, rows, stride, r, world, populate=False)
-               for r in range(world)]
+    ranks = Ranks(names, 3, 6)
     # rank 1 fails its first registration (its slice) or its third (the rest; cap = 1 row,
     # slice = 2 rows, so calls 0 and 1 are the slice)
-    rts = [RankRuntime(log, r, fail_at=(0 if phase == "slice" else 2) if r == 1 else None)
-           for r in range(world)]
-    results = run_ranks(lambda r: regions[r].pin(rts[r].register, rts[r].unregister,
-                                                 cap=stride, barrier=barrier_of(r)), world)
-    assert results == [True, False, True]
+    rts = [RankRuntime(ranks.log, r, fail_at=(0 if phase == "slice" else 2) if r == 1 else None)
+           for r in range(3)]
+    regions = ranks.regions
+    assert ranks.pin(rts) == [True, False, True]
     # the failing rank still met its peers, once
-    assert sorted(e[1] for e in log.events if e[0] == "barrier") == [0, 1, 2]
+    assert ranks.barriers() == [0, 1, 2]
     assert rts[1].live == {} and not regions[1].is_pinned
     assert regions[1].pinned_addresses == []
     assert regions[0].is_pinned and regions[2].is_pinned
-    for region in regions:
-        region.close()
+    ranks.close()
     assert all(rt.live == {} for rt in rts)
 
 
@@ -178,20 +197,13 @@ def test_a_rank_whose_register_raises_rolls_back_and_still_meets_its_peers(
         names: Names) -> None:
     """Rank 1's second registration raises: its first chunk is unregistered, it reaches
     the barrier once (its peers do not hang) and the exception reaches its caller."""
-    world, rows, stride = 2, 4, PAGE
-    log = Log()
-    barrier_of = gated(log, world)
-    name = names()
-    regions = [SharedHostRegion(name, rows, stride, r, world, populate=False)
-               for r in range(world)]
-    rts = [RankRuntime(log, 0), RaisingRuntime(log, 1, fail_at=1)]
-    results = run_ranks(lambda r: regions[r].pin(rts[r].register, rts[r].unregister,
-                                                 cap=stride, barrier=barrier_of(r)), world)
+    ranks = Ranks(names, 2, 4)
+    rts = [RankRuntime(ranks.log, 0), RaisingRuntime(ranks.log, 1, fail_at=1)]
+    results = ranks.pin(rts)
     assert results[0] is True and isinstance(results[1], KeyboardInterrupt)
-    assert sorted(e[1] for e in log.events if e[0] == "barrier") == [0, 1]
-    assert rts[1].live == {} and not regions[1].is_pinned
-    for region in regions:
-        region.close()
+    assert ranks.barriers() == [0, 1]
+    assert rts[1].live == {} and not ranks.regions[1].is_pinned
+    ranks.close()
     assert all(rt.live == {} for rt in rts)
 
 
@@ -199,22 +211,12 @@ def test_a_rank_whose_register_raises_rolls_back_and_still_meets_its_peers(
 def test_pinning_a_pinned_region_again_still_meets_the_peers(names: Names) -> None:
     """After a coordinated pin where rank 1 failed, both ranks pin again: rank 0 (pinned
     already) still calls the barrier once, so rank 1 does not wait on it alone."""
-    world, rows, stride = 2, 4, PAGE
-    log = Log()
-    barrier_of = gated(log, world)
-    name = names()
-    regions = [SharedHostRegion(name, rows, stride, r, world, populate=False)
-               for r in range(world)]
-    rts = [RankRuntime(log, 0), RankRuntime(log, 1, fail_at=0)]
-
-    def pin(r: int) -> object:
-        return regions[r].pin(rts[r].register, rts[r].unregister, cap=stride,
-                              barrier=barrier_of(r))
-    assert run_ranks(pin, world) == [True, False]
-    assert run_ranks(pin, world) == [True, True]  # rank 1's retry: calls 1 onward succeed
-    assert sorted(e[1] for e in log.events if e[0] == "barrier") == [0, 0, 1, 1]
-    for region in regions:
-        region.close()
+    ranks = Ranks(names, 2, 4)
+    rts = [RankRuntime(ranks.log, 0), RankRuntime(ranks.log, 1, fail_at=0)]
+    assert ranks.pin(rts) == [True, False]
+    assert ranks.pin(rts) == [True, True]  # rank 1's retry: calls 1 onward succeed
+    assert ranks.barriers() == [0, 0, 1, 1]
+    ranks.close()
     assert all(rt.live == {} for rt in rts)
 
 
