@@ -26,6 +26,7 @@ import time
 import weakref
 
 from ._errors import InvalidTransferError, SharedRegionError, SharedRegionTimeoutError
+from ._threadstate import fork_generation, forked_since
 
 __all__ = ["FILE_PREFIX", "FILE_SUFFIX", "RegionFile", "check_name", "ident", "new_name"]
 
@@ -269,9 +270,9 @@ def _unlink_if(path: str, want: tuple[int, int]) -> None:
         pass
 
 
-def _collected(fd: int, path: str, unlink: tuple[int, int] | None, pid: int) -> None:
-    if unlink is not None and os.getpid() == pid:  # ours, not kept (a forked child's exit
-        _unlink_if(path, unlink)  # runs this too: the file is its parent's)
+def _collected(fd: int, path: str, unlink: tuple[int, int] | None, generation: int) -> None:
+    if unlink is not None and not forked_since(generation):  # ours, not kept (a forked
+        _unlink_if(path, unlink)  # child's exit runs this too: the file is its parent's)
     os.close(fd)
 
 
@@ -334,7 +335,7 @@ class RegionFile:
         self.ident = ident(os.fstat(fd))
         self._closer = weakref.finalize(self, _collected, fd, self.path,
                                         self.ident if creator and not self.keep else None,
-                                        os.getpid())
+                                        fork_generation())
         if creator:
             check_capacity(self.directory, self.path, self.total, shape)
             os.ftruncate(fd, self.total)
