@@ -141,40 +141,66 @@ class _LoopResolver:
         return {t._poller for t in self.waiting if t._poller is not None}
 
     async def _run(self) -> None:
-        cancelled = False
+        #: after a cancellation: the awaits pending then, which this task goes on for
+        kept: list[asyncio.Future[TransferResult]] | None = None
         try:
             while True:
                 try:
                     if not self._ready:
-                        if cancelled:  # an awaiter giving up wakes nobody: look again
+                        if kept is not None:  # an awaiter giving up wakes nobody: look again
                             await self._nap(0.05)
                         else:
                             await self._sleep()
                 except asyncio.CancelledError:
                     # an app or asyncio.run's shutdown cancelling every task: a task still
                     # awaiting a transfer here (a cleanup that waits for its copy) would
-                    # wait forever, so this kvasync task goes on until none does
-                    if not self._awaited():
+                    # wait forever, so this kvasync task goes on until none of those does;
+                    # awaits begun later go to a successor (`_hand_over`) when it ends, so
+                    # asyncio.run does not wait for a task it never cancelled
+                    kept = self._pending()
+                    if not kept:
                         raise
-                    cancelled = True
                     _uncancel(self.task)
                 self._event.clear()
                 self._drain()
-                if (self.stopping and not self.waiting) or (cancelled and not self._awaited()):
+                if self.stopping and not self.waiting:
+                    return
+                if kept is not None and all(f.done() for f in kept):
                     return
         finally:
             self.dead = True
             self.engine._forget(self)
+            self._hand_over()
 
-    def _awaited(self) -> bool:
-        """Whether a task still awaits a transfer through this resolver."""
-        return any(not f.done() for futs in self.waiting.values() for f in futs)
+    def _pending(self) -> list[asyncio.Future[TransferResult]]:
+        """The futures of the awaits that have not ended yet."""
+        return [f for futs in self.waiting.values() for f in futs if not f.done()]
+
+    def _hand_over(self) -> None:
+        """(ending) A new resolver of the loop takes the transfers still awaited here: an
+        await begun after a cancellation, or one whose poll a Ctrl-C ended. Nothing when
+        the loop is closed: its tasks are gone with it."""
+        handed = {t: [f for f in futs if not f.done()] for t, futs in self.waiting.items()}
+        handed = {t: futs for t, futs in handed.items() if futs}
+        if not handed or self.loop.is_closed():
+            return
+        try:
+            successor = self.engine._resolver(self.loop)
+        except RuntimeError:  # the loop closed meanwhile
+            return
+        for transfer, futs in handed.items():
+            successor.waiting.setdefault(transfer, []).extend(futs)
+            if not transfer._attach(successor):  # done: told to us, maybe not drained
+                successor.requeue(transfer)
+        successor.notify(None)
 
     @staticmethod
     def _poll_all(queues: set[Poller]) -> None:
         for q in queues:
             try:
                 q.poll()
+            except (KeyboardInterrupt, SystemExit):
+                raise  # the app's own (a Ctrl-C): a successor takes the awaits (_hand_over)
             except BaseException:  # a callback's, logged where it was raised: this
                 pass  # task is kvasync's and keeps resolving the loop's awaiters
 

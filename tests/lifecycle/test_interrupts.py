@@ -286,3 +286,132 @@ def test_a_ctrl_c_completing_a_closed_offloaders_last_transfer_still_releases_it
         off._life.released.wait(5)
     assert fired
     assert off._life.released.wait(5), "the closed offloader was never released"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="asyncio.timeout is Python 3.11+")
+def test_asyncio_run_does_not_wait_for_an_await_begun_by_a_task_it_never_cancelled() -> None:
+    """A cleanup starts a task that awaits the copy and gives up its own await: asyncio.run
+    never cancelled that task and does not wait for it, so neither may kvasync's resolver
+    (it went on for every await, and asyncio.run with it until the copy landed)."""
+    code = textwrap.dedent("""
+        import asyncio, threading, time, numpy as np, kvasync as kv
+        from support import Gate
+        gpu = [np.zeros((8, 64), np.uint8) for _ in range(2)]
+        off = kv.Offloader(kv.KVCacheLayout.from_tensors(gpu), 8, backend="host",
+                           completion="thread")
+        gate = Gate()
+        threading.Timer(5.0, gate.open).start()
+        async def watch(t):
+            await t
+        async def handler():
+            t = off.store(gpu_blocks=[1], cpu_chunks=[1], stream=gate.stream)
+            try:
+                await t
+            except asyncio.CancelledError:
+                asyncio.ensure_future(watch(t))  # begun after the cancellation
+                try:
+                    async with asyncio.timeout(0.1):
+                        await t
+                except TimeoutError:
+                    pass
+                raise
+        async def main():
+            asyncio.ensure_future(handler())
+            await asyncio.sleep(0.05)
+        t0 = time.monotonic()
+        asyncio.run(main())
+        print(f"returned after {time.monotonic() - t0:.2f}")
+        off.close()
+    """)
+    out = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-c", code],
+                         capture_output=True, text=True, timeout=30, cwd="tests")
+    assert out.returncode == 0, out.stderr
+    assert float(out.stdout.split()[-1]) < 3.0, out.stdout  # not the transfer's 5 s
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_an_await_begun_after_every_task_was_cancelled_still_resolves(
+        gate: Gate) -> None:
+    """In a loop that goes on after cancelling every task, an await begun meanwhile
+    outlives the resolver that went on for the cancelled awaits: a new one takes it."""
+    off = make()
+    t = off.store(gpu_blocks=[1], cpu_chunks=[1], stream=gate.stream)
+    later: list[asyncio.Task[kv.TransferResult]] = []
+
+    async def watch() -> kv.TransferResult:
+        return await t
+
+    async def handler() -> None:
+        try:
+            await t
+        except asyncio.CancelledError:
+            later.append(asyncio.ensure_future(watch()))
+            await asyncio.sleep(0)  # the new task awaits
+            await asyncio.wait({asyncio.ensure_future(_await(t))}, timeout=0.1)
+            raise
+
+    h = asyncio.ensure_future(handler())
+    await asyncio.sleep(0.05)
+    me = asyncio.current_task()
+    tasks = [x for x in asyncio.all_tasks() if x is not me]
+    tasks.sort(key=lambda x: x.get_name() == "kvasync-completion")
+    for x in tasks:
+        x.cancel()
+    await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 10)
+    assert h.cancelled() and len(later) == 1 and not later[0].done()
+    gate.open()
+    r = await asyncio.wait_for(later[0], 10)
+    assert r.success and r is t.result()
+    await off.aclose()
+
+
+@pytest.mark.timeout(60)
+def test_a_ctrl_c_inside_the_resolvers_poll_reaches_the_app_and_loses_no_await() -> None:
+    """A KeyboardInterrupt landing while a loop's resolver polls a lane leaves the loop,
+    as from any code the loop runs (it was swallowed); the transfer still completes, and
+    an await of it afterwards returns. In a process of its own: on CPython 3.11 a
+    KeyboardInterrupt that leaves a task corrupts the interpreter's recursion count, and
+    every later `compile()` fails (a test's import, here)."""
+    code = textwrap.dedent("""
+        import asyncio, threading, numpy as np, kvasync as kv
+        from support import Gate
+        from kvasync import _completion
+        from kvasync._backends._host import HostBackend
+        from kvasync._lane_completion import LaneCompletion
+        HostBackend.poll_from_await = True  # the loop polls the lane, as on CUDA
+        real_all, real_poll = _completion._LoopResolver._poll_all, LaneCompletion.poll
+        inside, fired = [], []
+        def poll_all(queues):
+            inside.append(True)
+            try:
+                real_all(queues)
+            finally:
+                inside.pop()
+        def poll(self):
+            if inside and not fired:
+                fired.append(True)
+                raise KeyboardInterrupt("Ctrl-C")
+            return real_poll(self)
+        _completion._LoopResolver._poll_all = staticmethod(poll_all)
+        LaneCompletion.poll = poll
+        gpu = [np.zeros((8, 64), np.uint8) for _ in range(2)]
+        off = kv.Offloader(kv.KVCacheLayout.from_tensors(gpu), 8, backend="host")
+        gate = Gate()
+        t = off.store(gpu_blocks=[1], cpu_chunks=[1], stream=gate.stream)
+        threading.Timer(0.3, gate.open).start()
+        async def main():
+            return await t
+        try:
+            asyncio.run(main())
+            print("no interrupt")
+        except KeyboardInterrupt:
+            print("interrupted", bool(fired))
+        print("done", t.wait(5).success, asyncio.run(main()).success)
+        off.close(timeout=5)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=30, cwd="tests")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["interrupted True", "done True True"], out.stdout
