@@ -28,7 +28,7 @@ from .._errors import (
     OffloaderBrokenError,
     OffloaderClosedError,
 )
-from .._lanes import drain_queues, drain_queues_sync
+from .._lanes import check_process, drain_queues, drain_queues_sync
 from .._layered_transfer import LayeredTransfer, submit_layers
 from .._layout import KVCacheLayout
 from .._program import RefTable, TransferPlan, build_plan, split_plan
@@ -121,8 +121,9 @@ class RemoteOffloader:
         self._closed = False
         # dropped unclosed: its threads stop and the pool gets its rows back (no reference
         # to self, so it can be collected at all)
+        self._generation = fork_generation()
         self._finalizer = weakref.finalize(self, _collected, list(self._queues.values()),
-                                           self._engine, self.backend, fork_generation())
+                                           self._engine, self.backend, self._generation)
 
     # -- public API ---------------------------------------------------------------------------
     @property
@@ -180,6 +181,7 @@ class RemoteOffloader:
         spec = layer_spec(layers, len(self.layout.tensors))
         if self._closed:
             raise OffloaderClosedError("the remote offloader is closed")
+        check_process(self._generation)
         self.layout._guard.check()
         plan = build_plan(self._tables["h2d"], gpu_blocks, cpu_chunks, group_sizes,
                           block_indices, False, self.num_cpu_chunks, True)
@@ -211,6 +213,7 @@ class RemoteOffloader:
                 job_id: int | None, stream: Any | None, urgent: bool) -> Transfer:
         if self._closed:
             raise OffloaderClosedError("the remote offloader is closed")
+        check_process(self._generation)  # a forked child: the link and threads are the parent's
         self.layout._guard.check()  # its tensors still own the memory the layout read
         plan = build_plan(self._tables[direction], gpu_blocks, cpu_chunks, group_sizes,
                           block_indices, direction == "d2h", self.num_cpu_chunks, True)
@@ -249,6 +252,8 @@ class RemoteOffloader:
         queues = list(self._queues.values())
         for q in queues:
             q.refuse_new()
+        if forked_since(self._generation):  # a forked child: the link is the parent's
+            return
         deadline = None if timeout is None else time.monotonic() + timeout
         for q in queues:
             q.drain(None if deadline is None else max(0.0, deadline - time.monotonic()))

@@ -422,3 +422,39 @@ def test_a_forked_childs_exit_leaves_its_parents_link_to_the_pool() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=90, cwd=ROOT)
     assert out.stdout.split("\n")[0] == "True True 1", out.stdout + out.stderr
+
+
+@needs_nixl
+def test_a_forked_child_is_refused_and_its_close_leaves_the_parents_link() -> None:
+    """In a forked child an inherited RemoteOffloader refuses work with a clear error (its
+    threads stayed in the parent), and its close() gives nothing of the parent's back."""
+    code = textwrap.dedent("""
+        import os, sys, numpy as np, kvasync as kv
+        from kvasync.remote import RemoteOffloader, RemotePool
+        pool = RemotePool(4 << 20)
+        gpu = [np.full((8, 4096), 7, np.uint8)]
+        off = RemoteOffloader(kv.KVCacheLayout.from_tensors(gpu), 8,
+                              peer="%s:%d" % pool.address)
+        assert off.store(gpu_blocks=[0], cpu_chunks=[0]).wait(20).success
+        pid = os.fork()
+        if pid == 0:
+            refused = []
+            for call in (lambda: off.store(gpu_blocks=[1], cpu_chunks=[1]),
+                         lambda: off.load_layerwise(cpu_chunks=[0], gpu_blocks=[1])):
+                try:
+                    call()
+                except kv.OffloaderBrokenError:
+                    refused.append(True)
+            off.close(timeout=5)
+            os._exit(0 if refused == [True, True] else 3)
+        _, status = os.waitpid(pid, 0)
+        gpu[0][:] = 0
+        ok = off.load(cpu_chunks=[0], gpu_blocks=[0]).wait(20).success
+        print(os.waitstatus_to_exitcode(status), ok, bool((gpu[0][0] == 7).all()),
+              pool.num_clients)
+        off.close()
+        pool.close()
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=90, cwd=ROOT)
+    assert out.stdout.split("\n")[0] == "0 True True 1", out.stdout + out.stderr
