@@ -247,6 +247,7 @@ class NixlBackend(Backend):
             return
         table = pieces[0].table
         buf = self._staging.take()
+        stuck = self._requests.stuck
         try:
             for i, slab in enumerate(program.slabs):
                 local, remote, sizes = run_descriptors(program, i, buf.ptr)
@@ -258,7 +259,10 @@ class NixlBackend(Backend):
                     self._requests.post(direction, local, remote, sizes, deadline)
                     self._copy_local(kernel)  # unpack the rows into the pages
         finally:
-            self._staging.give(buf)
+            # a request NIXL could not release may still use the buffer: a later transfer
+            # must not pack into it or read it, so it stays out of use until close
+            if self._requests.stuck == stuck:
+                self._staging.give(buf)
 
     def _copy_local(self, plan: TransferPlan) -> None:
         """Pack or unpack between the KV tensors and a staging buffer, bounds-checked."""

@@ -105,6 +105,8 @@ class NixlRequests:
         #: NIXL descriptors and requests posted so far (how many runs the transfers became)
         self.descriptors_posted = 0
         self.requests_posted = 0
+        #: requests NIXL would not release (a timed-out one it could not cancel)
+        self.stuck = 0
 
     def post(self, direction: Direction, local: np.ndarray, remote: np.ndarray,
              sizes: np.ndarray, deadline: float) -> None:
@@ -152,3 +154,5 @@ class NixlRequests:
             self.agent.release_xfer_handle(handle)
         except Exception as exc:  # still active and not cancellable: the agent keeps it
             log.debug("kvasync: releasing a NIXL request failed: %s", exc)
+            with self._lock:
+                self.stuck += 1  # its local memory may still be read or written

@@ -458,3 +458,51 @@ def test_a_forked_child_is_refused_and_its_close_leaves_the_parents_link() -> No
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=90, cwd=ROOT)
     assert out.stdout.split("\n")[0] == "0 True True 1", out.stdout + out.stderr
+
+
+class _StuckAgent:
+    """A NIXL agent whose requests never finish and cannot be released (a hung transport)."""
+
+    def __init__(self, agent: object) -> None:
+        self._agent = agent
+        self.handles: list[object] = []
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._agent, name)
+
+    def check_xfer_state(self, handle: object) -> str:
+        return "PROC"
+
+    def release_xfer_handle(self, handle: object) -> None:
+        self.handles.append(handle)
+        raise RuntimeError("the request is still active")
+
+
+@needs_nixl
+def test_a_staging_buffer_a_stuck_request_may_still_use_is_never_reused(
+        pool: PoolProcess) -> None:
+    """A request that timed out and that NIXL cannot release may still read or write its
+    staging buffer: the transfer fails, and no later transfer packs into that buffer or
+    unpacks from it (it used to go back to the free list at once)."""
+    kvs, off = _make(pool.address, timeout=0.3)
+    try:
+        requests = off.backend._requests
+        real = requests.agent
+        stuck = _StuckAgent(real)
+        requests.agent = stuck
+        with pytest.raises(kv.TransferFailedError, match="did not finish"):
+            off.store(gpu_blocks=[0], cpu_chunks=[0]).wait(20)
+        assert stuck.handles and requests.stuck == 1
+        assert off.backend.staging_buffers == 1
+        requests.agent = real  # the transport works again
+        kvs[1][3] = 0
+        assert off.load(cpu_chunks=[1], gpu_blocks=[3]).wait(20).success
+        assert off.backend.staging_buffers == 2  # a new buffer, not the stuck request's
+    finally:
+        requests.agent = real
+        for h in stuck.handles:
+            try:
+                real.release_xfer_handle(h)
+            except Exception:
+                pass
+        off.close(timeout=10)
