@@ -211,10 +211,11 @@ class KernelPath:
             plan.keepalive.append(st)
             if job.total_units == 0:
                 return
-            rt.memcpyAsync(st.dev_ptr, st.host_ptr, len(job.words) * 8, _H2D, stream.ptr)
-            self.kernels.launch_table(stream.owner, entry.rows_addr, entry.frags_addr,
-                                      entry.packed, st.dev_ptr, job, grid)
-            return
+            if job.fits_32:  # else a segment's unit index would wrap: the flat kernel
+                rt.memcpyAsync(st.dev_ptr, st.host_ptr, len(job.words) * 8, _H2D, stream.ptr)
+                self.kernels.launch_table(stream.owner, entry.rows_addr, entry.frags_addr,
+                                          entry.packed, st.dev_ptr, job, grid)
+                return
         src, dst, sizes = split_descriptors(*plan.flat())
         n = len(sizes)
         st = self.staging.take(3 * n)
@@ -227,5 +228,6 @@ class KernelPath:
 
     @staticmethod
     def table_kernel_fits(plan: TransferPlan) -> bool:
-        """The table kernel indexes slots and units with 32 bits (else: the flat kernel)."""
+        """The table kernel indexes slots and units with 32 bits (else: the flat kernel;
+        a plan that passes may still have a segment of too many units: `Job.fits_32`)."""
         return plan.table.slots_fit_32 and plan.nbytes // 1024 + plan.num_descriptors < 1 << 31

@@ -232,6 +232,13 @@ class Job:
     refs_len: int
     total_slots: int
     total_units: int
+    #: the most units of one segment: the kernel counts them in 32 bits (`fits_32`)
+    max_seg_units: int = 0
+
+    @property
+    def fits_32(self) -> bool:
+        """Whether every segment's units, slots and ref rows index in 32 bits."""
+        return self.max_seg_units < 1 << 32
 
 
 def pack_job(
@@ -248,7 +255,7 @@ def pack_job(
     """
     segs = [s for s in segments if len(s.src_slots)]
     head: list[int] = []
-    unit = slot = ref = 0
+    unit = slot = ref = most = 0
     for seg in segs:
         refs = seg.refs
         hit = cache.get(id(refs)) if cache is not None else None
@@ -260,6 +267,7 @@ def pack_job(
                 cache[id(refs)] = (refs, pc)
         n, r = len(seg.src_slots), len(refs)
         head += (unit, n, slot, ref, pc)
+        most = max(most, r * n * pc)
         unit += r * n * pc
         slot += n
         ref += r
@@ -276,7 +284,7 @@ def pack_job(
     for seg in segs:
         words[pos : pos + len(seg.dst_slots)] = seg.dst_slots
         pos += len(seg.dst_slots)
-    return Job(words, len(segs), ref, slot, unit)
+    return Job(words, len(segs), ref, slot, unit, most)
 
 
 def emulate_table(

@@ -84,6 +84,28 @@ def test_empty_segments_pack_to_no_units() -> None:
     off.close()
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 40), st.integers(1, 300)), min_size=1, max_size=5),
+       st.lists(st.integers(1, 1 << 22), min_size=1, max_size=40))
+def test_a_job_counts_its_largest_segment_for_the_kernels_32_bit_units(
+        shape: list[tuple[int, int]], pieces: list[int]) -> None:
+    """The kernel counts one segment's units (refs x slots x the refs' most pieces) in 32
+    bits: the job says whether each fits, against a plain-Python count."""
+    from kvasync._program.plan import Segment
+
+    pc = np.asarray(pieces, dtype=np.int64)
+    segs, want = [], 0
+    for k, (r, n) in enumerate(shape):
+        refs = (np.arange(r, dtype=np.int64) * (k + 1)) % len(pieces)
+        slots = np.arange(n, dtype=np.uint64)
+        segs.append(Segment(refs, slots, slots))
+        want = max(want, r * n * max(pieces[i] for i in refs.tolist()))
+    job = pack_job(segs, pc)
+    assert job.max_seg_units == want
+    assert job.fits_32 == (want < 1 << 32)
+    assert job.total_units >= want
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.integers(1, 5000), min_size=1, max_size=20), st.sampled_from([7, 64, 4096]))
 def test_split_descriptors_keeps_every_byte(sizes: list[int], piece: int) -> None:
