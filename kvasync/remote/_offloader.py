@@ -71,19 +71,8 @@ class RemoteOffloader:
         timeout: float = 30.0,
         staging_bytes: int = 16 << 20,
     ) -> None:
-        if not isinstance(layout, KVCacheLayout):
-            raise InvalidTransferError(f"layout must be a KVCacheLayout, got {type(layout)}")
-        for name, value, low in (("num_cpu_chunks", num_cpu_chunks, 1),
-                                 ("blocks_per_chunk", blocks_per_chunk, 1),
-                                 ("max_streams", max_streams, 1),
-                                 ("staging_bytes", staging_bytes, 1)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-                raise InvalidTransferError(f"{name} must be an int >= {low}, got {value!r}")
-        if not isinstance(timeout, (int, float)) or not timeout > 0:
-            raise InvalidTransferError(f"timeout must be a number > 0, got {timeout!r}")
-        if completion not in ("hybrid", "thread"):  # before the pool gives us a region
-            raise InvalidTransferError(
-                f"completion must be 'hybrid' or 'thread', got {completion!r}")
+        _check_arguments(layout, num_cpu_chunks, blocks_per_chunk, max_streams, staging_bytes,
+                         timeout, completion)  # all before the pool gives us a region
         self.layout = layout
         self.num_cpu_chunks = int(num_cpu_chunks)
         self.blocks_per_chunk = int(blocks_per_chunk)
@@ -295,6 +284,24 @@ class RemoteOffloader:
             "stream_threads": self.backend.live_threads,
             "inflight": sum(q.inflight for q in self._queues.values()),
         }
+
+
+def _check_arguments(layout: Any, num_cpu_chunks: Any, blocks_per_chunk: Any,
+                     max_streams: Any, staging_bytes: Any, timeout: Any,
+                     completion: Any) -> None:
+    """InvalidTransferError for a constructor argument out of its domain."""
+    if not isinstance(layout, KVCacheLayout):
+        raise InvalidTransferError(f"layout must be a KVCacheLayout, got {type(layout)}")
+    for name, value, low in (("num_cpu_chunks", num_cpu_chunks, 1),
+                             ("blocks_per_chunk", blocks_per_chunk, 1),
+                             ("max_streams", max_streams, 1),
+                             ("staging_bytes", staging_bytes, 1)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+            raise InvalidTransferError(f"{name} must be an int >= {low}, got {value!r}")
+    if not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise InvalidTransferError(f"timeout must be a number > 0, got {timeout!r}")
+    if completion not in ("hybrid", "thread"):
+        raise InvalidTransferError(f"completion must be 'hybrid' or 'thread', got {completion!r}")
 
 
 #: seconds a collected offloader's release waits for a lock (it may run on a thread holding it)
