@@ -156,7 +156,13 @@ class RemotePool:
                 t = threading.Thread(target=self._serve, args=(conn,), daemon=True,
                                      name="kvasync-pool-client")
                 self._clients[conn] = t
-            t.start()
+            try:
+                t.start()
+            except RuntimeError as exc:  # no thread left to serve it (a flood): refuse it
+                log.warning("kvasync pool: refused a client: %s", exc)
+                with self._lock:
+                    self._clients.pop(conn, None)
+                conn.close()
 
     def _serve(self, conn: socket.socket) -> None:
         """One client: attach requests, then wait for the connection to end."""
@@ -221,6 +227,8 @@ class RemotePool:
                 pass
         stuck = 0
         for _, thread in clients:  # one still zeroing a region writes into the pool
+            if thread.ident is None:  # never started (refused above): nothing to wait for
+                continue
             thread.join(timeout=120)
             stuck += thread.is_alive()
         if stuck:  # never unmap under it: the process's exit frees the memory

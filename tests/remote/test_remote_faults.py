@@ -506,3 +506,42 @@ def test_a_staging_buffer_a_stuck_request_may_still_use_is_never_reused(
             except Exception:
                 pass
         off.close(timeout=10)
+
+
+@needs_nixl
+@pytest.mark.timeout(120)
+def test_a_pool_with_no_thread_left_for_a_client_refuses_it_and_serves_the_next(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A connection the pool cannot start a thread for (a flood of them) is refused; the
+    pool goes on accepting, and its close() returns (joining a thread never started
+    raised, and the accept loop had died)."""
+    import socket
+
+    from kvasync.remote import RemoteOffloader, RemotePool
+
+    real_start = threading.Thread.start
+    refused: list[str] = []
+
+    def start(self: threading.Thread) -> None:
+        if self.name == "kvasync-pool-client" and not refused:
+            refused.append(self.name)
+            raise RuntimeError("can't start new thread")
+        real_start(self)
+
+    pool = RemotePool(1 << 20)
+    try:
+        monkeypatch.setattr(threading.Thread, "start", start)
+        flood = socket.create_connection(pool.address)
+        try:
+            assert flood.recv(1) == b""  # refused: closed at once
+        finally:
+            flood.close()
+        monkeypatch.undo()
+        assert refused
+        layout = kv.KVCacheLayout.from_tensors([np.full((8, 4096), 5, np.uint8)])
+        with RemoteOffloader(layout, 8, peer=pool.address, timeout=20) as off:
+            assert off.store(gpu_blocks=[0], cpu_chunks=[0]).wait(20).success
+    finally:
+        monkeypatch.undo()
+        pool.close()
+    assert pool.num_clients == 0
