@@ -62,6 +62,8 @@ class _LoopResolver:
         self._slow = SLOW_POLL
         self._thread = threading.get_ident()
         self.task = loop.create_task(self._run(), name="kvasync-completion")
+        # a Ctrl-C that ended it was raised in the loop already: not "never retrieved"
+        self.task.add_done_callback(_retrieve)
         # a loop closed without cancelling its tasks must not warn about ours: it holds no
         # resources, and the transfers it would have resolved still complete on their own
         self.task._log_destroy_pending = False  # type: ignore[attr-defined]
@@ -177,18 +179,26 @@ class _LoopResolver:
         return [f for futs in self.waiting.values() for f in futs if not f.done()]
 
     def _hand_over(self) -> None:
-        """(ending) A new resolver of the loop takes the transfers still awaited here: an
-        await begun after a cancellation, or one whose poll a Ctrl-C ended. Nothing when
+        """(ending) A new resolver of the loop takes what is still owed here: the transfers
+        told done but not drained (in completion order), then every transfer awaited or
+        watched (a done-callback added in the loop), e.g. awaits begun after a
+        cancellation, or those of a resolver a Ctrl-C ended inside its poll. Nothing when
         the loop is closed: its tasks are gone with it."""
-        handed = {t: [f for f in futs if not f.done()] for t, futs in self.waiting.items()}
-        handed = {t: futs for t, futs in handed.items() if futs}
-        if not handed or self.loop.is_closed():
+        with self._lock:
+            ready, self._ready = list(self._ready), deque()
+        owed = {t: [f for f in futs if not f.done()] for t, futs in self.waiting.items()}
+        owed = {t: futs for t, futs in owed.items()
+                if futs or any(c[1] is self.loop for c in t._loop_callbacks)}
+        if not (ready or owed) or self.loop.is_closed():
             return
         try:
             successor = self.engine._resolver(self.loop)
         except RuntimeError:  # the loop closed meanwhile
             return
-        for transfer, futs in handed.items():
+        for transfer in ready:
+            successor.waiting.setdefault(transfer, []).extend(owed.pop(transfer, []))
+            successor.requeue(transfer)
+        for transfer, futs in owed.items():
             successor.waiting.setdefault(transfer, []).extend(futs)
             if not transfer._attach(successor):  # done: told to us, maybe not drained
                 successor.requeue(transfer)
@@ -269,6 +279,11 @@ def _uncancel(task: asyncio.Task[None]) -> None:
     uncancel = getattr(task, "uncancel", None)
     if uncancel is not None:
         uncancel()
+
+
+def _retrieve(task: asyncio.Task[None]) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 def _end_nap(fut: asyncio.Future[None]) -> None:

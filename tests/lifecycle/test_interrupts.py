@@ -398,20 +398,33 @@ def test_a_ctrl_c_inside_the_resolvers_poll_reaches_the_app_and_loses_no_await()
         LaneCompletion.poll = poll
         gpu = [np.zeros((8, 64), np.uint8) for _ in range(2)]
         off = kv.Offloader(kv.KVCacheLayout.from_tensors(gpu), 8, backend="host")
-        gate = Gate()
+        gate, later = Gate(), Gate()
         t = off.store(gpu_blocks=[1], cpu_chunks=[1], stream=gate.stream)
+        t2 = off.load(cpu_chunks=[2], gpu_blocks=[2], stream=later.stream)
         threading.Timer(0.3, gate.open).start()
+        loop = asyncio.new_event_loop()
+        called = []
         async def main():
+            t2.add_done_callback(lambda tr: called.append("callback"))  # on this loop
             return await t
         try:
-            asyncio.run(main())
+            loop.run_until_complete(main())
             print("no interrupt")
         except KeyboardInterrupt:
             print("interrupted", bool(fired))
-        print("done", t.wait(5).success, asyncio.run(main()).success)
+        later.open()
+        assert t2.wait(5).success
+        async def after():  # the app's loop goes on; an await of t returns
+            r = await t
+            await asyncio.sleep(0.05)  # t2's loop callback runs without an await of t2
+            return r.success
+        print("done", t.wait(5).success, loop.run_until_complete(after()), called)
+        loop.close()
         off.close(timeout=5)
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=30, cwd="tests")
     assert out.returncode == 0, out.stderr
-    assert out.stdout.splitlines() == ["interrupted True", "done True True"], out.stdout
+    assert out.stdout.splitlines() == ["interrupted True", "done True True ['callback']"], (
+        out.stdout)
+    assert "never retrieved" not in out.stderr, out.stderr
