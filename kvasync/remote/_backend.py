@@ -247,7 +247,7 @@ class NixlBackend(Backend):
             return
         table = pieces[0].table
         buf = self._staging.take()
-        stuck = self._requests.stuck
+        stuck = self._requests.stuck_here()
         try:
             for i, slab in enumerate(program.slabs):
                 local, remote, sizes = run_descriptors(program, i, buf.ptr)
@@ -259,10 +259,12 @@ class NixlBackend(Backend):
                     self._requests.post(direction, local, remote, sizes, deadline)
                     self._copy_local(kernel)  # unpack the rows into the pages
         finally:
-            # a request NIXL could not release may still use the buffer: a later transfer
-            # must not pack into it or read it, so it stays out of use until close
-            if self._requests.stuck == stuck:
+            # a request NIXL could not release may still use the buffer: no later transfer
+            # packs into it or reads it, and close() does not free it
+            if self._requests.stuck_here() == stuck:
                 self._staging.give(buf)
+            else:
+                self._staging.retire(buf)
 
     def _copy_local(self, plan: TransferPlan) -> None:
         """Pack or unpack between the KV tensors and a staging buffer, bounds-checked."""

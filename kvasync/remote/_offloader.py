@@ -223,16 +223,23 @@ class RemoteOffloader:
     # -- draining and closing ------------------------------------------------------------------
     async def drain(self) -> None:
         """Wait until every submitted transfer finished (failures stay on their transfers)."""
+        check_process(self._generation)  # a forked child: the parent's transfers never end here
         await drain_queues(self._queues.values())
 
     def drain_sync(self, timeout: float | None = None) -> bool:
         """Block until every submitted transfer finished; False on timeout."""
+        check_process(self._generation)
         return drain_queues_sync(self._queues.values(), timeout)
 
     def close(self, timeout: float | None = None) -> None:
         """Drain, stop threads, deregister the tensors and give the rows back to the pool.
         Idempotent and thread-safe; a pool that died does not make it hang (every transfer
         ends by the backend's timeout at the latest)."""
+        if forked_since(self._generation):  # a forked child: the link and threads are the
+            self._closed = True  # parent's, and so is any lock a parent thread held
+            for q in self._queues.values():
+                q.refuse_new(locked=False)
+            return
         with self._submit_lock:
             if self._closed:
                 return
@@ -241,8 +248,6 @@ class RemoteOffloader:
         queues = list(self._queues.values())
         for q in queues:
             q.refuse_new()
-        if forked_since(self._generation):  # a forked child: the link is the parent's
-            return
         deadline = None if timeout is None else time.monotonic() + timeout
         for q in queues:
             q.drain(None if deadline is None else max(0.0, deadline - time.monotonic()))
@@ -256,7 +261,8 @@ class RemoteOffloader:
             q.forget_pools()
 
     async def aclose(self) -> None:
-        await self.drain()
+        if not forked_since(self._generation):
+            await self.drain()
         self.close()
 
     async def __aenter__(self) -> RemoteOffloader:

@@ -105,8 +105,10 @@ class NixlRequests:
         #: NIXL descriptors and requests posted so far (how many runs the transfers became)
         self.descriptors_posted = 0
         self.requests_posted = 0
-        #: requests NIXL would not release (a timed-out one it could not cancel)
+        #: requests NIXL would not release (a timed-out one it could not cancel): in all,
+        #: and per posting thread (`stuck_here`: a transfer asks about its own requests)
         self.stuck = 0
+        self._here = threading.local()
 
     def post(self, direction: Direction, local: np.ndarray, remote: np.ndarray,
              sizes: np.ndarray, deadline: float) -> None:
@@ -134,6 +136,10 @@ class NixlRequests:
         finally:
             self._release(handle)
 
+    def stuck_here(self) -> int:
+        """Requests posted from this thread that NIXL would not release."""
+        return int(getattr(self._here, "stuck", 0))
+
     def _wait(self, handle: Any, op: str, deadline: float) -> None:
         delay = self.POLL_FIRST
         while True:
@@ -156,3 +162,4 @@ class NixlRequests:
             log.debug("kvasync: releasing a NIXL request failed: %s", exc)
             with self._lock:
                 self.stuck += 1  # its local memory may still be read or written
+            self._here.stuck = self.stuck_here() + 1

@@ -68,6 +68,10 @@ def pool_tables(layout: KVCacheLayout, num_cpu_chunks: int, blocks_per_chunk: in
     }
 
 
+#: staging buffers a stuck request may still use, with their registrations: never freed
+_RETIRED: list[tuple[Any, Any]] = []
+
+
 class StagingRows:
     """Free list of `slab_bytes` host buffers; `register(ptr, nbytes)` is called once per
     new buffer (it returns the registration `deregister` later takes)."""
@@ -79,6 +83,7 @@ class StagingRows:
         self._deregister = deregister
         self._free: list[Any] = []
         self._all: list[tuple[Any, Any]] = []
+        self._retired = 0
         self._lock = threading.Lock()
 
     def take(self) -> Any:
@@ -100,11 +105,20 @@ class StagingRows:
         with self._lock:
             self._free.append(mem)
 
+    def retire(self, mem: Any) -> None:
+        """Never use `mem` again, nor unmap it or drop its registration: a request that
+        NIXL could not release may still read or write it (kept for the process's life)."""
+        with self._lock:
+            kept = [(m, r) for m, r in self._all if m is mem]
+            self._all = [(m, r) for m, r in self._all if m is not mem]
+            self._retired += len(kept)
+        _RETIRED.extend(kept)
+
     @property
     def count(self) -> int:
-        """Buffers allocated so far."""
+        """Buffers allocated so far (retired ones included)."""
         with self._lock:
-            return len(self._all)
+            return len(self._all) + self._retired
 
     def close(self) -> None:
         """Deregister and free every buffer (call once no transfer runs)."""

@@ -429,24 +429,34 @@ def test_a_forked_child_is_refused_and_its_close_leaves_the_parents_link() -> No
     """In a forked child an inherited RemoteOffloader refuses work with a clear error (its
     threads stayed in the parent), and its close() gives nothing of the parent's back."""
     code = textwrap.dedent("""
-        import os, sys, numpy as np, kvasync as kv
+        import asyncio, os, sys, threading, time, numpy as np, kvasync as kv
         from kvasync.remote import RemoteOffloader, RemotePool
         pool = RemotePool(4 << 20)
         gpu = [np.full((8, 4096), 7, np.uint8)]
         off = RemoteOffloader(kv.KVCacheLayout.from_tensors(gpu), 8,
                               peer="%s:%d" % pool.address)
         assert off.store(gpu_blocks=[0], cpu_chunks=[0]).wait(20).success
+        held = threading.Event()
+        def hold():  # a parent thread inside the offloader's lock at the fork
+            with off._submit_lock:
+                held.set()
+                time.sleep(2)
+        threading.Thread(target=hold).start()
+        held.wait()
         pid = os.fork()
         if pid == 0:
+            threading.Timer(10, lambda: os._exit(4)).start()  # a hang exits 4
             refused = []
             for call in (lambda: off.store(gpu_blocks=[1], cpu_chunks=[1]),
-                         lambda: off.load_layerwise(cpu_chunks=[0], gpu_blocks=[1])):
+                         lambda: off.load_layerwise(cpu_chunks=[0], gpu_blocks=[1]),
+                         lambda: off.drain_sync(1)):
                 try:
                     call()
                 except kv.OffloaderBrokenError:
                     refused.append(True)
+            asyncio.run(off.aclose())  # returns: nothing of the parent's to wait for
             off.close(timeout=5)
-            os._exit(0 if refused == [True, True] else 3)
+            os._exit(0 if refused == [True, True, True] else 3)
         _, status = os.waitpid(pid, 0)
         gpu[0][:] = 0
         ok = off.load(cpu_chunks=[0], gpu_blocks=[0]).wait(20).success
@@ -498,6 +508,10 @@ def test_a_staging_buffer_a_stuck_request_may_still_use_is_never_reused(
         kvs[1][3] = 0
         assert off.load(cpu_chunks=[1], gpu_blocks=[3]).wait(20).success
         assert off.backend.staging_buffers == 2  # a new buffer, not the stuck request's
+        from kvasync.remote import _rows
+
+        kept = [m for m, _ in _rows._RETIRED]
+        assert len(kept) == 1 and kept[0] not in off.backend._staging._free
     finally:
         requests.agent = real
         for h in stuck.handles:
@@ -545,3 +559,47 @@ def test_a_pool_with_no_thread_left_for_a_client_refuses_it_and_serves_the_next(
         monkeypatch.undo()
         pool.close()
     assert pool.num_clients == 0
+
+
+def test_a_stuck_request_counts_on_the_thread_that_posted_it() -> None:
+    """Each transfer asks whether a request of its own got stuck (its staging buffer is then
+    retired): another thread's stuck request must not retire a healthy buffer. No NIXL:
+    a fake agent whose request never ends and cannot be released."""
+    import socket
+
+    from kvasync._backends._host import AddressRanges
+    from kvasync.remote._requests import NixlRequests, PeerLink
+
+    class Agent:
+        def get_xfer_descs(self, rows: object, mem: str) -> object:
+            return rows
+
+        def initialize_xfer(self, *a: object) -> str:
+            return "handle"
+
+        def transfer(self, handle: object) -> str:
+            return "PROC"
+
+        def check_xfer_state(self, handle: object) -> str:
+            return "PROC"
+
+        def release_xfer_handle(self, handle: object) -> None:
+            raise RuntimeError("still active")
+
+    a, b = socket.socketpair()
+    bounds = AddressRanges()
+    bounds.add(0, 1 << 40)
+    req = NixlRequests(Agent(), "pool", PeerLink(a, "peer"), bounds, bounds, device="cpu",
+                       device_id=-1, timeout=0.01)
+    other: list[int] = []
+    try:
+        t = threading.Thread(target=lambda: other.append(req.stuck_here()))
+        with pytest.raises(kv.TransferFailedError, match="did not finish"):
+            req.post("d2h", np.asarray([4096], np.uint64), np.asarray([8192], np.uint64),
+                     np.asarray([64], np.uint64), time.monotonic() + 0.01)
+        t.start()
+        t.join()
+        assert req.stuck == 1 and req.stuck_here() == 1 and other == [0]
+    finally:
+        a.close()
+        b.close()
