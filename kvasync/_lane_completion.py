@@ -72,6 +72,16 @@ def _learn(rates: dict[str, float], path: str, rate: float) -> None:
     rates[path] = rate if old is None or rate > old else 0.5 * old + 0.5 * rate
 
 
+def _outcome(rec: InFlight, error: BaseException | None, behind: BaseException | None,
+             timed: bool) -> tuple[TransferResult | None, TransferFailedError | None]:
+    """What `rec`'s transfer completes with: a failure (`_failure`) or its result, with its
+    event time where `timed` (else 0: the clean-up after an interrupt reads no event)."""
+    if error is not None or behind is not None:
+        return None, _failure(rec.transfer.job_id, error, behind)
+    seconds = rec.start.elapsed_seconds(rec.end) if timed else 0.0
+    return TransferResult(rec.transfer.job_id, True, rec.plan.nbytes, seconds), None
+
+
 def _failure(job_id: int, error: BaseException | None, behind: BaseException | None
              ) -> TransferFailedError:
     """What a transfer fails with: the lane's earlier failure `behind` if any (whatever its
@@ -243,16 +253,11 @@ class LaneCompletion:
             behind = self.failure
             if behind is None and error is not None:
                 self.failure = error
-        result = None
-        if behind is not None or error is not None:
-            error = _failure(rec.transfer.job_id, error, behind)
-        else:
-            seconds = rec.start.elapsed_seconds(rec.end)
-            result = TransferResult(rec.transfer.job_id, True, rec.plan.nbytes, seconds)
-            if rec.plan.nbytes >= 1 << 20 and seconds > 0:  # learn the link's speed
-                rate = rec.plan.nbytes / seconds
-                self.bandwidth = 0.8 * self.bandwidth + 0.2 * rate
-                _learn(self.path_rate, rec.path, rate)
+        result, error = _outcome(rec, error, behind, timed=True)
+        if result is not None and result.bytes >= 1 << 20 and result.seconds > 0:
+            rate = result.bytes / result.seconds  # learn the link's speed
+            self.bandwidth = 0.8 * self.bandwidth + 0.2 * rate
+            _learn(self.path_rate, rec.path, rate)
         with self._lock:
             self._recycle(rec)
         self.stats.finished(result, error)
@@ -332,11 +337,7 @@ def _settle(lane: LaneCompletion, rec: InFlight) -> None:
     that polled) cut it short, each once: else waiters and close() wait forever."""
     error = rec.submit_error or rec.end.error()
     behind = lane.failure if lane.failure is not error else None
-    result = None
-    if error is not None or behind is not None:
-        error = _failure(rec.transfer.job_id, error, behind)
-    else:
-        result = TransferResult(rec.transfer.job_id, True, rec.plan.nbytes, 0.0)
+    result, error = _outcome(rec, error, behind, timed=False)
     if not rec.recorded:  # counted unless the oldest is no longer this job (it was)
         rec.recorded = True
         lane.stats.finished(result, error, rec.transfer.job_id)
