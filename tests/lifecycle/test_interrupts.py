@@ -214,10 +214,15 @@ def test_a_forked_child_gets_a_clear_error_and_can_build_its_own() -> None:
 
 @pytest.mark.timeout(60)
 @pytest.mark.skipif(sys.version_info < (3, 11), reason="asyncio.timeout is Python 3.11+")
-def test_asyncio_run_returns_when_the_cleanup_await_gives_up() -> None:
+@pytest.mark.parametrize(("watch", "handlers"), [(False, 4), (True, 1)],
+                         ids=["alone", "watch-task-started"])
+def test_asyncio_run_returns_when_the_cleanup_await_gives_up(watch: bool,
+                                                             handlers: int) -> None:
     """The resolver goes on while a task awaits through it; a cleanup await that gives up
     (a timeout) wakes nobody, and the resolver used to sleep until the transfer ended (5 s
-    here, forever for one that never does) with asyncio.run waiting on it."""
+    here, forever for one that never does) with asyncio.run waiting on it. `watch`: the
+    cleanup also starts a task that awaits the copy; asyncio.run never cancelled that task
+    and does not wait for it, so neither may the resolver (it went on for every await)."""
     code = textwrap.dedent("""
         import asyncio, threading, time, numpy as np, kvasync as kv
         from support import Gate
@@ -226,11 +231,15 @@ def test_asyncio_run_returns_when_the_cleanup_await_gives_up() -> None:
                            completion="thread")  # no polling wakes the resolver
         gate = Gate()
         threading.Timer(5.0, gate.open).start()
+        async def watch(t):
+            await t
         async def handler():
             t = off.store(gpu_blocks=[1], cpu_chunks=[1], stream=gate.stream)
             try:
                 await t
             except asyncio.CancelledError:
+                if WATCH:
+                    asyncio.ensure_future(watch(t))  # begun after the cancellation
                 try:
                     async with asyncio.timeout(0.1):  # wait a little for the copy, then go
                         await t
@@ -238,16 +247,16 @@ def test_asyncio_run_returns_when_the_cleanup_await_gives_up() -> None:
                     pass
                 raise
         async def main():
-            for _ in range(4):
+            for _ in range(HANDLERS):
                 asyncio.ensure_future(handler())
             await asyncio.sleep(0.05)
         t0 = time.monotonic()
         asyncio.run(main())
         print(f"returned after {time.monotonic() - t0:.2f}")
         off.close()
-    """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=30, cwd="tests")
+    """).replace("WATCH", str(watch)).replace("HANDLERS", str(handlers))
+    out = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-c", code],
+                         capture_output=True, text=True, timeout=30, cwd="tests")
     assert out.returncode == 0, out.stderr
     assert float(out.stdout.split()[-1]) < 3.0, out.stdout  # not the transfer's 5 s
 
@@ -286,48 +295,6 @@ def test_a_ctrl_c_completing_a_closed_offloaders_last_transfer_still_releases_it
         off._life.released.wait(5)
     assert fired
     assert off._life.released.wait(5), "the closed offloader was never released"
-
-
-@pytest.mark.timeout(60)
-@pytest.mark.skipif(sys.version_info < (3, 11), reason="asyncio.timeout is Python 3.11+")
-def test_asyncio_run_does_not_wait_for_an_await_begun_by_a_task_it_never_cancelled() -> None:
-    """A cleanup starts a task that awaits the copy and gives up its own await: asyncio.run
-    never cancelled that task and does not wait for it, so neither may kvasync's resolver
-    (it went on for every await, and asyncio.run with it until the copy landed)."""
-    code = textwrap.dedent("""
-        import asyncio, threading, time, numpy as np, kvasync as kv
-        from support import Gate
-        gpu = [np.zeros((8, 64), np.uint8) for _ in range(2)]
-        off = kv.Offloader(kv.KVCacheLayout.from_tensors(gpu), 8, backend="host",
-                           completion="thread")
-        gate = Gate()
-        threading.Timer(5.0, gate.open).start()
-        async def watch(t):
-            await t
-        async def handler():
-            t = off.store(gpu_blocks=[1], cpu_chunks=[1], stream=gate.stream)
-            try:
-                await t
-            except asyncio.CancelledError:
-                asyncio.ensure_future(watch(t))  # begun after the cancellation
-                try:
-                    async with asyncio.timeout(0.1):
-                        await t
-                except TimeoutError:
-                    pass
-                raise
-        async def main():
-            asyncio.ensure_future(handler())
-            await asyncio.sleep(0.05)
-        t0 = time.monotonic()
-        asyncio.run(main())
-        print(f"returned after {time.monotonic() - t0:.2f}")
-        off.close()
-    """)
-    out = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-c", code],
-                         capture_output=True, text=True, timeout=30, cwd="tests")
-    assert out.returncode == 0, out.stderr
-    assert float(out.stdout.split()[-1]) < 3.0, out.stdout  # not the transfer's 5 s
 
 
 @pytest.mark.asyncio

@@ -396,39 +396,12 @@ def test_a_pool_that_cannot_bind_names_the_address_and_keeps_no_socket() -> None
             gc.collect()
 
 
-@needs_nixl
-def test_a_forked_childs_exit_leaves_its_parents_link_to_the_pool() -> None:
-    """An unclosed RemoteOffloader's collection hook runs in a forked child at its exit
-    too; it must not drop the link the child inherited: the pool would take the parent's
-    rows back and the parent's next load would fail."""
-    code = textwrap.dedent("""
-        import os, sys, numpy as np, kvasync as kv
-        from kvasync.remote import RemoteOffloader, RemotePool
-        pool = RemotePool(4 << 20)
-        gpu = [np.full((8, 4096), 7, np.uint8)]
-        off = RemoteOffloader(kv.KVCacheLayout.from_tensors(gpu), 8,
-                              peer="%s:%d" % pool.address)
-        assert off.store(gpu_blocks=[0], cpu_chunks=[0]).wait(20).success
-        pid = os.fork()
-        if pid == 0:
-            sys.exit(0)  # a normal exit: the finalizers run in the child
-        os.waitpid(pid, 0)
-        gpu[0][:] = 0
-        ok = off.load(cpu_chunks=[0], gpu_blocks=[0]).wait(20).success
-        print(ok, bool((gpu[0][0] == 7).all()), pool.num_clients)
-        off.close()
-        pool.close()
-    """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=90, cwd=ROOT)
-    assert out.stdout.split("\n")[0] == "True True 1", out.stdout + out.stderr
-
-
-@needs_nixl
-def test_a_forked_child_is_refused_and_its_close_leaves_the_parents_link() -> None:
-    """In a forked child an inherited RemoteOffloader refuses work with a clear error (its
-    threads stayed in the parent), and its close() gives nothing of the parent's back."""
-    code = textwrap.dedent("""
+def _fork_with_a_link(before_fork: str, child: str) -> str:
+    """Run a script that stores a row through a RemoteOffloader, runs `before_fork`, forks,
+    runs `child` in the child (indented as written; it ends the child), then has the parent
+    load the row back: the first line printed is "<child's exit code> <load succeeded>
+    <the bytes came back> <the pool's clients>"."""
+    head = textwrap.dedent("""
         import asyncio, os, sys, threading, time, numpy as np, kvasync as kv
         from kvasync.remote import RemoteOffloader, RemotePool
         pool = RemotePool(4 << 20)
@@ -436,27 +409,8 @@ def test_a_forked_child_is_refused_and_its_close_leaves_the_parents_link() -> No
         off = RemoteOffloader(kv.KVCacheLayout.from_tensors(gpu), 8,
                               peer="%s:%d" % pool.address)
         assert off.store(gpu_blocks=[0], cpu_chunks=[0]).wait(20).success
-        held = threading.Event()
-        def hold():  # a parent thread inside the offloader's lock at the fork
-            with off._submit_lock:
-                held.set()
-                time.sleep(2)
-        threading.Thread(target=hold).start()
-        held.wait()
-        pid = os.fork()
-        if pid == 0:
-            threading.Timer(10, lambda: os._exit(4)).start()  # a hang exits 4
-            refused = []
-            for call in (lambda: off.store(gpu_blocks=[1], cpu_chunks=[1]),
-                         lambda: off.load_layerwise(cpu_chunks=[0], gpu_blocks=[1]),
-                         lambda: off.drain_sync(1)):
-                try:
-                    call()
-                except kv.OffloaderBrokenError:
-                    refused.append(True)
-            asyncio.run(off.aclose())  # returns: nothing of the parent's to wait for
-            off.close(timeout=5)
-            os._exit(0 if refused == [True, True, True] else 3)
+    """)
+    tail = textwrap.dedent("""
         _, status = os.waitpid(pid, 0)
         gpu[0][:] = 0
         ok = off.load(cpu_chunks=[0], gpu_blocks=[0]).wait(20).success
@@ -465,9 +419,51 @@ def test_a_forked_child_is_refused_and_its_close_leaves_the_parents_link() -> No
         off.close()
         pool.close()
     """)
+    code = (head + textwrap.dedent(before_fork) + "pid = os.fork()\nif pid == 0:\n"
+            + textwrap.indent(textwrap.dedent(child), "    ") + tail)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=90, cwd=ROOT)
-    assert out.stdout.split("\n")[0] == "0 True True 1", out.stdout + out.stderr
+    return out.stdout.split("\n")[0] + "\n" + out.stdout + out.stderr
+
+
+@needs_nixl
+def test_a_forked_childs_exit_leaves_its_parents_link_to_the_pool() -> None:
+    """An unclosed RemoteOffloader's collection hook runs in a forked child at its exit
+    too; it must not drop the link the child inherited: the pool would take the parent's
+    rows back and the parent's next load would fail."""
+    out = _fork_with_a_link("", """
+        sys.exit(0)  # a normal exit: the finalizers run in the child
+    """)
+    assert out.split("\n")[0] == "0 True True 1", out
+
+
+@needs_nixl
+def test_a_forked_child_is_refused_and_its_close_leaves_the_parents_link() -> None:
+    """In a forked child an inherited RemoteOffloader refuses work with a clear error (its
+    threads stayed in the parent), and its close() gives nothing of the parent's back."""
+    out = _fork_with_a_link("""
+        held = threading.Event()
+        def hold():  # a parent thread inside the offloader's lock at the fork
+            with off._submit_lock:
+                held.set()
+                time.sleep(2)
+        threading.Thread(target=hold).start()
+        held.wait()
+    """, """
+        threading.Timer(10, lambda: os._exit(4)).start()  # a hang exits 4
+        refused = []
+        for call in (lambda: off.store(gpu_blocks=[1], cpu_chunks=[1]),
+                     lambda: off.load_layerwise(cpu_chunks=[0], gpu_blocks=[1]),
+                     lambda: off.drain_sync(1)):
+            try:
+                call()
+            except kv.OffloaderBrokenError:
+                refused.append(True)
+        asyncio.run(off.aclose())  # returns: nothing of the parent's to wait for
+        off.close(timeout=5)
+        os._exit(0 if refused == [True, True, True] else 3)
+    """)
+    assert out.split("\n")[0] == "0 True True 1", out
 
 
 class _StuckAgent:
