@@ -19,6 +19,7 @@ import numpy as np
 
 from ._arrays import ArrayInfo
 from ._errors import InvalidTransferError
+from ._torch_words import raw_sizes, raw_tensors
 
 __all__ = ["MemoryGuard", "overlapping_pair", "rows_overlap"]
 
@@ -71,14 +72,15 @@ class MemoryGuard:
     """A check, cheap enough for every submit, that arrays still own the memory their
     addresses were read from.
 
-    torch: each tensor's ``data_ptr()`` and the byte size of each of their storages (read in
-    one gather from the storages' own memory where `_size_field` finds the field; the
+    torch: each tensor's ``data_ptr()`` and the byte size of each of their storages (the
     storage objects are kept, so a tensor moved to other memory by ``set_`` leaves its old
-    memory alive for copies already queued). CuPy: ``data.ptr``. NumPy: nothing per call; a
-    weak reference to every array of the owner chain makes NumPy refuse to resize them in
-    place (even with ``refcheck=False``); a torch storage behind a NumPy array (``.numpy()``)
-    cannot be resized (torch refuses) and is kept by that array. `keepalive` lists what
-    queued transfers must hold.
+    memory alive for copies already queued). Where `_torch_words` finds torch's fields, one
+    gather first shows that nothing those answers come from changed; only a change asks
+    torch, which then decides (and the gather is not used again). CuPy: ``data.ptr``.
+    NumPy: nothing per call; a weak reference to every array of the owner chain makes NumPy
+    refuse to resize them in place (even with ``refcheck=False``); a torch storage behind a
+    NumPy array (``.numpy()``) cannot be resized (torch refuses) and is kept by that array.
+    `keepalive` lists what queued transfers must hold.
     """
 
     def __init__(self, infos: Sequence[ArrayInfo]) -> None:
@@ -91,6 +93,7 @@ class MemoryGuard:
         self._st_bytes: list[int] = []
         self._cupy: list[tuple[int, Any, int]] = []
         self._weak: list[weakref.ref[Any]] = []
+        self._held: list[Any] = []  # every storage behind a tensor, once
         seen: set[int] = set()
         for i, info in enumerate(infos):
             obj = info.obj
@@ -112,12 +115,15 @@ class MemoryGuard:
         self._nbytes: Callable[[Any], int] = _no_torch
         self._ptrs_equal: Callable[[], bool] = self._ptrs_equal_py
         self._sizes_equal: Callable[[], bool] = self._sizes_equal_py
+        #: True while nothing changed (one gather); None: ask torch every time
+        self._unchanged: Callable[[], bool] | None = None
         if torch is not None:
             self._data_ptr = torch.Tensor.data_ptr
             self._nbytes = torch.UntypedStorage.nbytes
             self._ptrs_equal = self._batched(torch) or self._ptrs_equal_py
-            self._sizes_equal = _raw_sizes(torch, self._storages, self._st_bytes) or (
+            self._sizes_equal = raw_sizes(torch, self._storages, self._st_bytes) or (
                 self._sizes_equal_py)
+            self._unchanged = raw_tensors(torch, self._tensors, self._held)
 
     def _add_storage(self, i: int, storage: Any, seen: set[int]) -> None:
         key = int(storage._cdata)  # the storage itself, whatever wrapper object we got
@@ -125,6 +131,7 @@ class MemoryGuard:
             return
         seen.add(key)
         self.keepalive.append(storage)
+        self._held.append(storage)
         if not storage.resizable():  # from NumPy, DLPack...: its size cannot change
             return
         self._st_names.append(i)
@@ -158,15 +165,19 @@ class MemoryGuard:
         if not (self._tensors or self._cupy):  # NumPy only: nothing can move
             return
         try:
-            ok = (
-                (not self._tensors or self._ptrs_equal())
-                and (not self._storages or self._sizes_equal())
-                and all(int(a.data.ptr) == p for _, a, p in self._cupy)
-            )
+            ok = self._torch_ok() and all(int(a.data.ptr) == p for _, a, p in self._cupy)
         except Exception:
             ok = False
         if not ok:
             self._fail(what)
+
+    def _torch_ok(self) -> bool:
+        if not self._tensors or (self._unchanged is not None and self._unchanged()):
+            return True
+        ok = self._ptrs_equal() and (not self._storages or self._sizes_equal())
+        if ok:  # a change torch allows (a new dtype view, .data = an alias): ask it from now
+            self._unchanged = None
+        return ok
 
     def _fail(self, what: str) -> None:
         """Name the first array that changed (the slow path of `check`)."""
@@ -194,71 +205,6 @@ class MemoryGuard:
                     f"was built; nothing was enqueued. {_REBUILD}"
                 )
         raise InvalidTransferError(f"{what}: its memory cannot be read; nothing was enqueued")
-
-
-class _Words:
-    """`n` int64 words of this process's memory from `addr`, for `np.asarray` (NumPy reads
-    only the words an index names; nothing is copied or touched when the view is made)."""
-
-    def __init__(self, addr: int, n: int) -> None:
-        self.__array_interface__ = {"data": (addr, True), "shape": (n,), "typestr": "<i8",
-                                    "version": 3}
-
-
-_SIZE_FIELD: list[int | None] = []  # the byte offset, once looked for
-
-
-def _size_field(torch: Any) -> int | None:
-    """Where a StorageImpl keeps its byte count (``size_bytes_``), found on a scratch storage
-    by resizing it; None unless exactly one word tracks every resize."""
-    if not _SIZE_FIELD:
-        found: int | None = None
-        try:
-            probe = torch.UntypedStorage(4096)
-            base = int(probe._cdata)
-            # a StorageImpl holds at least a refcount, a DataPtr, the size, flags, the
-            # allocator and a Python slot (>= 88 bytes): every word read here is inside it
-            words = np.asarray(_Words(base, 10))
-            hits = [k for k in range(1, 10) if int(words[k]) == 4096]
-            for n in (1000, 0, 777):
-                probe.resize_(n)
-                hits = [k for k in hits if int(words[k]) == n]
-            found = 8 * hits[0] if len(hits) == 1 else None
-        except Exception:
-            found = None
-        _SIZE_FIELD.append(found)
-    return _SIZE_FIELD[0]
-
-
-def _raw_sizes(torch: Any, storages: list[Any], sizes: list[int]) -> Callable[[], bool] | None:
-    """Every storage's byte count compared in one NumPy gather from the StorageImpls (the
-    reader holds the storages, so they stay allocated), or None where the field cannot be
-    found or does not read right now.
-
-    Why: after 128 pointers read one by one (which reads each StorageImpl), the gather
-    added nothing measurable where 128 ``nbytes()`` calls added ~30 us (a lent H100 host,
-    each check after a 2 ms sleep, as a `store()` after a wait runs it)."""
-    field = _size_field(torch)
-    if field is None or not storages:
-        return None
-    held = tuple(storages)
-    try:
-        addrs = np.array([int(s._cdata) + field for s in held], dtype=np.int64)
-        lo = int(addrs.min())
-        if (addrs % 8).any():
-            return None
-        words = np.asarray(_Words(lo, (int(addrs.max()) - lo) // 8 + 1))
-        idx = (addrs - lo) // 8
-        want = np.array(sizes, dtype=np.int64).tobytes()
-        if words.take(idx).tobytes() != want:
-            return None
-    except Exception:  # an address NumPy cannot take: the nbytes() calls instead
-        return None
-
-    def same(held: tuple[Any, ...] = held) -> bool:  # holds what it reads, whoever lets go
-        return bool(words.take(idx).tobytes() == want)
-
-    return same
 
 
 _REBUILD = "Build a new KVCacheLayout and Offloader over the tensors as they are now."

@@ -56,6 +56,31 @@ def test_batched_pointer_check_answers_both_ways() -> None:
         layout._guard.check()
 
 
+@pytest.mark.parametrize("mutate", ["set_", "offset", "resize", "data"])
+def test_the_one_gather_guard_reads_cuda_tensors(mutate: str) -> None:
+    """CUDA tensors, views at an offset among them (K and V halves of one buffer): the
+    guard's gather of torch's fields is in use, passes while nothing changed, and fails for
+    each change, which the guard then refuses."""
+    torch = _torch()
+    buf = torch.zeros((2, 8, 1 << 12), dtype=torch.uint8, device="cuda")
+    xs = [buf[0], buf[1], torch.zeros((8, 1 << 12), dtype=torch.uint8, device="cuda")]
+    guard = kv.KVCacheLayout.from_tensors(xs)._guard
+    assert guard._unchanged is not None and guard._unchanged()
+    guard.check()
+    x = xs[1]
+    if mutate == "set_":
+        x.set_(torch.zeros(1, dtype=torch.uint8, device="cuda"))
+    elif mutate == "offset":
+        x.set_(x.untyped_storage(), x.storage_offset() + 512, (8, 1 << 12))
+    elif mutate == "resize":
+        x.untyped_storage().resize_(0)
+    else:
+        x.data = torch.zeros(8, dtype=torch.uint8, device="cuda")
+    assert not guard._unchanged()
+    with pytest.raises(kv.InvalidTransferError, match="KV tensor 1"):
+        guard.check()
+
+
 def test_cuda_storage_resized_at_its_old_address_is_refused() -> None:
     """The caching allocator hands a storage resized to 0 and back to a smaller size its old
     block: the pointers match, only the byte count (read in one gather) tells."""

@@ -11,16 +11,17 @@ from hypothesis import strategies as st
 
 import kvasync as kv
 from kvasync._arrays import array_info
-from kvasync._memory import MemoryGuard, _raw_sizes, _size_field, _Words
+from kvasync._memory import MemoryGuard
+from kvasync._torch_words import Words, raw_sizes, storage_size_field
 
 torch = pytest.importorskip("torch")
 
 
 def test_the_size_field_is_found_and_tracks_a_resize() -> None:
-    field = _size_field(torch)
+    field = storage_size_field(torch)
     assert field is not None, "this torch's StorageImpl hides its byte count: slow guard"
     s = torch.UntypedStorage(512)
-    words = np.asarray(_Words(int(s._cdata) + field, 1))
+    words = np.asarray(Words(int(s._cdata) + field, 1))
     assert int(words[0]) == 512
     s.resize_(40)
     assert int(words[0]) == 40
@@ -31,7 +32,7 @@ def test_the_size_field_is_found_and_tracks_a_resize() -> None:
        changes=st.lists(st.tuples(st.integers(0, 11), st.integers(0, 4096)), max_size=6))
 def test_one_gather_agrees_with_nbytes(sizes: list[int], changes: list[tuple[int, int]]) -> None:
     storages = [torch.UntypedStorage(n) for n in sizes]
-    check = _raw_sizes(torch, storages, sizes)
+    check = raw_sizes(torch, storages, sizes)
     assert check is not None and check()
     for i, n in changes:
         storages[i % len(storages)].resize_(n)
@@ -41,7 +42,7 @@ def test_one_gather_agrees_with_nbytes(sizes: list[int], changes: list[tuple[int
 def test_a_raw_reader_refuses_a_wrong_start() -> None:
     """Built against sizes the storages do not have, the reader is not used (None)."""
     s = torch.UntypedStorage(64)
-    assert _raw_sizes(torch, [s], [65]) is None
+    assert raw_sizes(torch, [s], [65]) is None
 
 
 def test_resized_in_place_is_refused() -> None:
@@ -60,8 +61,9 @@ def test_resized_in_place_is_refused() -> None:
 
 
 def test_guard_without_the_field_still_checks(monkeypatch: pytest.MonkeyPatch) -> None:
-    import kvasync._memory as mem
-    monkeypatch.setattr(mem, "_SIZE_FIELD", [None])
+    import kvasync._torch_words as words
+    monkeypatch.setattr(words, "_SIZE_FIELD", [None])
+    monkeypatch.setattr(words, "_FIELDS", [None])
     x = torch.zeros((4, 256), dtype=torch.uint8)
     g = MemoryGuard([array_info(x)])
     assert g._sizes_equal == g._sizes_equal_py
