@@ -9,8 +9,9 @@ development machine the guard of 128 tensors took 72 us inside a host-backend `s
 with ``data_ptr()`` read one by one.
 
 Every field is found by probing scratch objects (`storage_size_field`, `tensor_fields`):
-a word counts only if it alone tracks each change made to it, and a reader is used only if
-it answers right for the arrays it is built on. Otherwise the guard asks torch.
+a word counts only if it alone tracks each change made to it (a storage's data pointer:
+the first word that does), and a reader is used only if it answers right for the arrays it
+is built on. Otherwise the guard asks torch.
 Every address a reader touches belongs to an object it holds (a Python tensor, a storage),
 or to a tensor's insides once its Python object is seen to still point there.
 """
@@ -83,19 +84,20 @@ class TensorFields:
     impl_storage: int  # in a TensorImpl: its StorageImpl pointer
     impl_offset: int  # in a TensorImpl: the storage offset, in elements
     impl_dtype: int  # in a TensorImpl: the dtype's 16-bit index (bytes, not words)
+    impl_numel: int  # in a TensorImpl: the element count (none: data_ptr() reads 0)
     storage_data: int  # in a StorageImpl: the data pointer
     storage_size: int  # in a StorageImpl: the byte count
 
 
 _FIELDS: list[TensorFields | None] = []
-_IMPL_WORDS = 24  # a TensorImpl is over 200 bytes (sizes and strides inline, flags, keys)
+_IMPL_WORDS = 22  # sizeof(TensorImpl) is 176 bytes in torch 2.13: every word read is in it
 
 
 def _find_fields(torch: Any) -> TensorFields | None:
     u8 = torch.uint8
     size = storage_size_field(torch)
     a, b = torch.empty(8, dtype=u8), torch.empty(8, dtype=u8)
-    py = _tracking(id(a), 6, int(a._cdata))
+    py = _tracking(id(a), type(a).__basicsize__ // 8, int(a._cdata))
     torch.utils.swap_tensors(a, b)  # the Python objects trade insides
     py = _still(py, id(a), int(a._cdata))
     t = torch.empty(64, dtype=u8)
@@ -113,21 +115,28 @@ def _find_fields(torch: Any) -> TensorFields | None:
     for k in (7, 11):
         v.set_(base.untyped_storage(), k, (8,))
         off = _still(off, int(v._cdata), k)
+    m = torch.empty((8, 8), dtype=u8)  # 2-D: no size word holds the element count
+    numel = _tracking(int(m._cdata), _IMPL_WORDS, 64)
+    for shape in ((4, 5), (0, 3), (3, 7)):
+        m.resize_(shape)
+        numel = _still(numel, int(m._cdata), shape[0] * shape[1])
     dts: set[int] | None = None  # a standard dtype's index is its ScalarType number
     for dtype, index in ((torch.int16, 2), (torch.float64, 7), (torch.bfloat16, 15)):
         x = torch.empty(4, dtype=dtype)
         u16 = _words(int(x._cdata), _IMPL_WORDS).view(np.uint16)
         found = {j for j in range(len(u16)) if int(u16[j]) == index}
         dts = found if dts is None else dts & found
-    s = torch.UntypedStorage(4096)
+    s = torch.UntypedStorage(4096)  # the first word that tracks it: the DataPtr's data (its
+    # context often holds the same pointer)
     data = _tracking(int(s._cdata), 10, int(s.data_ptr()))
     for n in (8192, 100000, 50):
         s.resize_(n)
         data = _still(data, int(s._cdata), int(s.data_ptr()))
     if size is None or not data or not dts or len(dts) != 1 or any(
-            len(h) != 1 for h in (py, st, off)):
+            len(h) != 1 for h in (py, st, off, numel)):
         return None
-    return TensorFields(8 * py[0], 8 * st[0], 8 * off[0], 2 * dts.pop(), 8 * data[0], size)
+    return TensorFields(8 * py[0], 8 * st[0], 8 * off[0], 2 * dts.pop(), 8 * numel[0],
+                        8 * data[0], size)
 
 
 def tensor_fields(torch: Any) -> TensorFields | None:
@@ -175,11 +184,13 @@ def raw_sizes(torch: Any, storages: list[Any], sizes: list[int]) -> Callable[[],
 
 def raw_tensors(torch: Any, tensors: Sequence[Any], storages: Sequence[Any]
                 ) -> Callable[[], bool] | None:
-    """True while no tensor's Python object, storage, storage offset or dtype changed and
-    no storage's data pointer or size changed (held: `storages`, every storage behind
-    `tensors`): two gathers, the Python objects' first, so a tensor's insides are read only
-    while its object still points at them. False means look closer (`MemoryGuard` asks
-    torch); None where the fields are unknown or do not give each ``data_ptr()`` now."""
+    """True while no tensor's Python object, storage, storage offset, dtype or element count
+    changed and no storage's data pointer or size changed (held: `storages`, every storage
+    behind `tensors`): two gathers, the Python objects' first, so a tensor's insides are
+    read only while its object still points at them (a thread that swaps a tensor's insides
+    and frees them between the two gathers is read as of the first, as torch's own calls
+    would be read a moment earlier). False means look closer (`MemoryGuard` asks torch);
+    None where the fields are unknown or do not give each ``data_ptr()`` now."""
     f = tensor_fields(torch)
     if f is None or not tensors:
         return None
@@ -194,7 +205,7 @@ def raw_tensors(torch: Any, tensors: Sequence[Any], storages: Sequence[Any]
                 return None
         first = [id(t) + f.py_impl for t in tensors]
         second = [a for i in impls for a in (i + f.impl_storage, i + f.impl_offset,
-                                               i + f.impl_dtype // 8 * 8)]
+                                               i + f.impl_dtype // 8 * 8, i + f.impl_numel)]
         second += [a for k in by_key for a in (k + f.storage_data, k + f.storage_size)]
         span = _span(np.array(first + second, dtype=np.int64))
         if span is None:
@@ -202,13 +213,14 @@ def raw_tensors(torch: Any, tensors: Sequence[Any], storages: Sequence[Any]
         words, idx = span
         idx1, idx2 = idx[:len(first)], idx[len(first):]
         masks = np.full(len(second), 2**64 - 1, dtype=np.uint64)
-        masks[2:3 * len(impls):3] = 0xFFFF << (8 * (f.impl_dtype % 8))
+        masks[2:4 * len(impls):4] = 0xFFFF << (8 * (f.impl_dtype % 8))
         masks = masks.view(np.int64)
         want1 = np.array(impls, dtype=np.int64).tobytes()
         if words.take(idx1).tobytes() != want1:
             return None
         # what torch says now, word by word (a dtype's word holds other fields: any value)
-        now = [v for t, k in zip(tensors, keys) for v in (k, t.storage_offset(), None)]
+        now = [v for t, k in zip(tensors, keys)
+               for v in (k, t.storage_offset(), None, t.numel())]
         now += [v for s in by_key.values() for v in (int(s.data_ptr()), int(s.nbytes()))]
         read = words.take(idx2)
         if any(v is not None and int(r) != v for r, v in zip(read.tolist(), now)):

@@ -69,7 +69,10 @@ CHANGES: dict[str, tuple[Callable[[Any], Any], bool]] = {
     "swap_tensors": (lambda x: torch.utils.swap_tensors(x, torch.zeros_like(x)), True),
     "share_memory_": (lambda x: x.share_memory_(), True),
     "in-place write": (lambda x: _write(x), False),
-    "requires_grad": (lambda x: x.requires_grad_(False), False),
+    "transpose_": (lambda x: x.t_() if x.dim() == 2 else None, False),
+    "resize_ to none": (lambda x: x.resize_(0), True),
+    "as_strided_ to none": (lambda x: x.as_strided_((0, 8), (8, 1)), True),
+    ".data = none": (lambda x: setattr(x, "data", x[:0]), True),
 }
 
 
@@ -83,25 +86,28 @@ def _views() -> list[Any]:
     return [buf[:4], buf[4:], _base()[2:], _base()]
 
 
+@pytest.mark.parametrize("which", [1, 2])
 @pytest.mark.parametrize("change", sorted(CHANGES))
-def test_a_change_the_gather_misses_is_one_torch_allows(change: str) -> None:
+def test_a_change_the_gather_misses_is_one_torch_allows(change: str, which: int) -> None:
+    """Each change to a view that shares its storage (1) or one with its own (2)."""
     xs = _views()
     g = MemoryGuard([array_info(x) for x in xs])
     assert g._unchanged is not None and g._unchanged()
     ptrs = [x.data_ptr() for x in xs]
     sizes = [s.nbytes() for s in g._storages]
     act, moves = CHANGES[change]
-    act(xs[2])
+    act(xs[which])
     assert ([x.data_ptr() for x in xs] != ptrs
             or [s.nbytes() for s in g._storages] != sizes) is moves
     if moves:
         assert g._unchanged is not None and not g._unchanged()
-        with pytest.raises(kv.InvalidTransferError, match="KV tensor 2"):
+        # a storage two views share is named after the first of them
+        with pytest.raises(kv.InvalidTransferError, match=f"KV tensor [0{which}]"):
             g.check()
     else:
         g.check()  # an allowed change: torch's answer stands
         assert g._unchanged is None or change in ("nothing", "in-place write",
-                                                 "requires_grad", "set_ same place")
+                                                 "transpose_", "set_ same place")
 
 
 #: share_memory_ followed by another change of the same storage crashes torch itself
@@ -140,10 +146,17 @@ def test_the_gather_never_passes_what_torch_refuses(steps: list[tuple[int, str]]
 def test_a_reader_refuses_what_it_cannot_read(monkeypatch: pytest.MonkeyPatch) -> None:
     """No fields, or a tensor whose data_ptr() the fields do not give: no reader, and the
     guard asks torch every time."""
+    import dataclasses
+
     import kvasync._torch_words as words
 
-    x = _base()
+    x = _base()[3:]
     assert raw_tensors(torch, [x], [x.untyped_storage()]) is not None
+    found = tensor_fields(torch)
+    assert found is not None
+    wrong = dataclasses.replace(found, impl_offset=found.impl_numel)  # another word
+    monkeypatch.setattr(words, "_FIELDS", [wrong])
+    assert raw_tensors(torch, [x], [x.untyped_storage()]) is None
     monkeypatch.setattr(words, "_FIELDS", [None])
     assert raw_tensors(torch, [x], [x.untyped_storage()]) is None
     g = MemoryGuard([array_info(x)])
