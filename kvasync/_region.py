@@ -109,8 +109,7 @@ class SharedHostRegion:
                 if error is None:
                     error = exc
                 else:  # the setup error is the one worth reporting
-                    log.warning("kvasync: region %s: barrier failed after setup error: %r",
-                                self.path, exc)
+                    log.warning("kvasync: region %s: the barrier failed too: %r", self.path, exc)
         if error is not None:
             self._unlink()
             self._closed = True
@@ -249,7 +248,8 @@ class SharedHostRegion:
 
     @property
     def base_ptr(self) -> int:
-        return self._ptr
+        with self._lock:  # SharedRegionError once closed: the address would be stale
+            return int(self._check_open().ctypes.data)
 
     @property
     def total_size(self) -> int:

@@ -596,6 +596,8 @@ def test_close_is_idempotent_and_unlinks_once(
     newer.close()
     with pytest.raises(SharedRegionError, match="closed"):
         region.create_next_worker_view(8)
+    with pytest.raises(SharedRegionError, match="closed"):
+        region.base_ptr  # a stale address would reach unmapped memory
 
 
 def test_close_with_a_live_view_keeps_the_view_valid(names: Names) -> None:
